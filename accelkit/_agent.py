@@ -1,0 +1,273 @@
+"""Running a function in worker processes on PyTorch's elastic agent (torchrun's engine).
+
+Each worker records its own exception (type, message, traceback, time) in the run's
+directory, so that the :class:`~accelkit.errors.WorkerError` raised in the caller names
+every failed rank, root cause first, whatever the agent noticed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _env, _state
+from .errors import WorkerError, WorkerFailure
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@dataclass(frozen=True)
+class FunctionRef:
+    """A module-level function named by module and qualified name (resolved in the worker)."""
+
+    module: str
+    qualname: str
+
+    def resolve(self) -> Callable[..., Any]:
+        obj: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything one worker needs; pickled to spawned workers."""
+
+    target: Callable[..., Any] | FunctionRef
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    run_dir: str
+    env: dict[str, str] = field(default_factory=dict)
+    threads: int | None = None
+    watchdog: float | None = None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    num_processes: int
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+    start_method: str = "spawn"
+    quiet: bool = True
+
+
+def run_workers(
+    target: Callable[..., Any] | FunctionRef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: AgentConfig,
+    env: dict[str, str],
+    watchdog: float | None = None,
+) -> dict[int, Any]:
+    """Run ``target(*args, **kwargs)`` in every worker; their return values by global rank."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+    if config.start_method != "fork":
+        check_picklable(target, args, kwargs, config.start_method)
+    port = config.master_port or free_port(config.master_addr)
+    run_dir = tempfile.mkdtemp(prefix="accelkit-run-")
+    threads = None
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // config.num_processes)
+    job = Job(target, args, kwargs, run_dir, env, threads, watchdog)
+    launch_config = LaunchConfig(
+        min_nodes=config.num_nodes,
+        max_nodes=config.num_nodes,
+        nproc_per_node=config.num_processes,
+        run_id=f"accelkit-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{config.master_addr}:{port}",
+        rdzv_configs={"rank": config.node_rank},
+        max_restarts=config.max_restarts,
+        monitor_interval=0.05,
+        start_method=config.start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
+    )
+    try:
+        with _quiet_agent(config.quiet), _restore_env("TORCHELASTIC_SIGNALS_TO_HANDLE"):
+            return launch_agent(launch_config, worker_main, [job])
+    except ChildFailedError as exc:
+        raise collect_failures(run_dir, exc.failures) from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def worker_main(job: Job) -> Any:
+    """The entry point of every worker process."""
+    os.environ.update(job.env)
+    os.environ[_env.RUN_DIR] = job.run_dir
+    if job.threads:
+        import torch
+
+        torch.set_num_threads(job.threads)
+    timer = _start_watchdog(job) if job.watchdog else None
+    try:
+        fn = job.target.resolve() if isinstance(job.target, FunctionRef) else job.target
+        return fn(*job.args, **job.kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            record_failure(job.run_dir, exc)
+        raise
+    except BaseException as exc:
+        record_failure(job.run_dir, exc)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        _state.reset_state()
+
+
+def record_failure(run_dir: str, exc: BaseException, text: str | None = None) -> None:
+    """Write this worker's failure report atomically into the run directory."""
+    rank = _env.read_int("RANK") or 0
+    folder = os.path.join(run_dir, "failures", f"attempt{_env.read_int('TORCHELASTIC_RESTART_COUNT') or 0}")
+    os.makedirs(folder, exist_ok=True)
+    report = {
+        "rank": rank,
+        "local_rank": _env.read_int("LOCAL_RANK") or 0,
+        "pid": os.getpid(),
+        "exc_type": exception_name(exc),
+        "message": str(exc),
+        "traceback": text if text is not None else user_traceback(exc),
+        "timestamp": time.time(),
+    }
+    tmp = os.path.join(folder, f".rank{rank}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
+
+
+def exception_name(exc: BaseException) -> str:
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The formatted traceback without accelkit's own entry frames (the user's code first)."""
+    summary = traceback.TracebackException.from_exception(exc)
+    stack = list(summary.stack)
+    while len(stack) > 1 and os.path.abspath(stack[0].filename).startswith(_PACKAGE):
+        stack.pop(0)
+    summary.stack = traceback.StackSummary.from_list(stack)
+    return "".join(summary.format())
+
+
+def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerError:
+    """Merge the workers' own reports with what the agent saw (exit codes, signals)."""
+    reports: dict[int, dict[str, Any]] = {}
+    root = os.path.join(run_dir, "failures")
+    attempts = sorted(os.listdir(root), key=lambda a: int(a[7:])) if os.path.isdir(root) else []
+    if attempts:
+        last = os.path.join(root, attempts[-1])
+        for name in os.listdir(last):
+            if name.endswith(".json"):
+                with open(os.path.join(last, name)) as f:
+                    report = json.load(f)
+                reports[report["rank"]] = report
+    failures = []
+    for rank in sorted(set(reports) | set(agent_failures)):
+        seen = agent_failures.get(rank)
+        report = reports.get(rank, {})
+        failures.append(
+            WorkerFailure(
+                rank=rank,
+                local_rank=report.get("local_rank", getattr(seen, "local_rank", 0)),
+                pid=report.get("pid", getattr(seen, "pid", None)),
+                exitcode=getattr(seen, "exitcode", None) if seen is not None else 1,
+                exc_type=report.get("exc_type", ""),
+                message=report.get("message", ""),
+                traceback=report.get("traceback", ""),
+                timestamp=report.get("timestamp", getattr(seen, "timestamp", time.time())),
+            )
+        )
+    return WorkerError(failures)
+
+
+def check_picklable(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], start_method: str) -> None:
+    """A clear error, before any process starts, for what a spawned worker cannot import."""
+    name = getattr(target, "__qualname__", repr(target))
+    if "<lambda>" in name or "<locals>" in name:
+        raise ValueError(
+            f"cannot start {name!r} with start_method={start_method!r}: spawned workers import "
+            f"the function by name, and a lambda or a function defined inside another function "
+            f"has none. Define it with `def` at module level, or pass start_method='fork'."
+        )
+    try:
+        pickle.dumps((target, args, kwargs))
+    except Exception as exc:
+        raise ValueError(
+            f"cannot send {name!r} and its arguments to {start_method!r} workers: {exc}. "
+            f"Use a module-level function and picklable arguments, or start_method='fork'."
+        ) from exc
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _start_watchdog(job: Job) -> threading.Timer:
+    main = threading.main_thread()
+
+    def expire() -> None:
+        frame = sys._current_frames().get(main.ident or -1)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        rank = _env.read_int("RANK") or 0
+        exc = TimeoutError(f"rank {rank} did not finish within {job.watchdog:g} s")
+        record_failure(job.run_dir, exc, f"{exc}; it was at:\n{where}")
+        os._exit(70)
+
+    timer = threading.Timer(job.watchdog or 0, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+@contextlib.contextmanager
+def _quiet_agent(quiet: bool) -> Iterator[None]:
+    # The agent logs every failure, restart and SIGTERM at WARNING; WorkerError says it better.
+    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    before = [log.level for log in logs]
+    if quiet:
+        for log in logs:
+            log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, before):
+            log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _restore_env(name: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

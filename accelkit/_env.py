@@ -1,0 +1,213 @@
+"""Every environment variable accelkit reads or writes, in one place.
+
+Launchers describe a worker through environment variables. :func:`detect_launch` reads
+those of torchrun / torchelastic, Open MPI, MPICH / Intel MPI (PMI) and SLURM, so that a
+process started by any of them with world size N is one of N ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigurationError
+
+# Options that `@ak.distributed` / `accelkit launch` hand to workers, and users may set.
+PRECISION = "ACCELKIT_PRECISION"
+GRADIENT_ACCUMULATION_STEPS = "ACCELKIT_GRADIENT_ACCUMULATION_STEPS"
+DEBUG = "ACCELKIT_DEBUG"
+CPU = "ACCELKIT_CPU"
+BACKEND = "ACCELKIT_BACKEND"
+TIMEOUT = "ACCELKIT_TIMEOUT"
+LOG_LEVEL = "ACCELKIT_LOG_LEVEL"
+# Set by accelkit's own launcher inside each worker.
+RUN_DIR = "ACCELKIT_RUN_DIR"
+
+OPTION_VARIABLES = {
+    "precision": PRECISION,
+    "gradient_accumulation_steps": GRADIENT_ACCUMULATION_STEPS,
+    "debug": DEBUG,
+    "cpu": CPU,
+    "backend": BACKEND,
+    "timeout": TIMEOUT,
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a job, as its launcher described it."""
+
+    launcher: str  # "torchrun", "openmpi", "pmi", "slurm" or "none"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    agent_store: bool = False  # the elastic agent hosts the rendezvous store
+
+
+def read_int(name: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The integer value of ``name``, ``None`` when unset; a clear error when malformed."""
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(
+            f"environment variable {name}={raw!r} is not an integer; "
+            f"unset it or set it to a whole number"
+        ) from None
+
+
+def read_bool(name: str, env: Mapping[str, str] | None = None) -> bool | None:
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(
+        f"environment variable {name}={raw!r} is not a boolean; use 1/0, true/false or yes/no"
+    )
+
+
+def read_str(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    return raw.strip() if raw is not None and raw.strip() else None
+
+
+def option_overrides(env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The ``ACCELKIT_*`` options that are set, by option name (values still raw strings)."""
+    env = os.environ if env is None else env
+    return {name: env[var] for name, var in OPTION_VARIABLES.items() if var in env}
+
+
+def option_env(options: Mapping[str, object]) -> dict[str, str]:
+    """Environment variables that carry ``options`` into worker processes."""
+    out: dict[str, str] = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        out[OPTION_VARIABLES[name]] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return out
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read this process's place in the job from the launcher's variables."""
+    env = os.environ if env is None else env
+    for reader in (_torchrun, _openmpi, _pmi, _slurm):
+        found = reader(env)
+        if found is not None:
+            _check_consistent(found)
+            return found
+    return LaunchEnv(launcher="none")
+
+
+def _torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
+    world = read_int("WORLD_SIZE", env)
+    rank = read_int("RANK", env)
+    if world is None or rank is None:
+        return None
+    local_rank = read_int("LOCAL_RANK", env)
+    local_world = read_int("LOCAL_WORLD_SIZE", env)
+    if local_rank is None:  # plain env:// setup: assume one node
+        local_rank, local_world = rank, world
+    local_world = local_world or world
+    return LaunchEnv(
+        launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env else "env",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=_or(read_int("GROUP_RANK", env), rank // max(local_world, 1)),
+        num_nodes=_or(read_int("GROUP_WORLD_SIZE", env), max(world // max(local_world, 1), 1)),
+        master_addr=read_str("MASTER_ADDR", env),
+        master_port=read_int("MASTER_PORT", env),
+        restart_count=read_int("TORCHELASTIC_RESTART_COUNT", env) or 0,
+        agent_store=read_bool("TORCHELASTIC_USE_AGENT_STORE", env) or False,
+    )
+
+
+def _from_counts(
+    launcher: str, env: Mapping[str, str], world: str, rank: str, local_rank: str, local_world: str
+) -> LaunchEnv | None:
+    w, r = read_int(world, env), read_int(rank, env)
+    if w is None or r is None:
+        return None
+    lr = _or(read_int(local_rank, env), r)
+    lw = _or(read_int(local_world, env), w)
+    return LaunchEnv(
+        launcher=launcher,
+        rank=r,
+        world_size=w,
+        local_rank=lr,
+        local_world_size=lw,
+        node_rank=r // max(lw, 1),
+        num_nodes=max(w // max(lw, 1), 1),
+        master_addr=read_str("MASTER_ADDR", env),
+        master_port=read_int("MASTER_PORT", env),
+    )
+
+
+def _openmpi(env: Mapping[str, str]) -> LaunchEnv | None:
+    return _from_counts(
+        "openmpi", env, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+    )  # fmt: skip
+
+
+def _pmi(env: Mapping[str, str]) -> LaunchEnv | None:
+    # MPICH and Intel MPI (Hydra process manager).
+    return _from_counts("pmi", env, "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+
+
+def _slurm(env: Mapping[str, str]) -> LaunchEnv | None:
+    # Only a task started by `srun` is a rank: a batch script's shell has SLURM_PROCID too,
+    # but no step task count.
+    world = read_int("SLURM_STEP_NUM_TASKS", env)
+    rank = read_int("SLURM_PROCID", env)
+    if world is None or rank is None:
+        return None
+    nodes = _or(read_int("SLURM_STEP_NUM_NODES", env), _or(read_int("SLURM_NNODES", env), 1))
+    return LaunchEnv(
+        launcher="slurm",
+        rank=rank,
+        world_size=world,
+        local_rank=_or(read_int("SLURM_LOCALID", env), rank),
+        local_world_size=max(world // max(nodes, 1), 1),
+        node_rank=_or(read_int("SLURM_NODEID", env), 0),
+        num_nodes=nodes,
+        master_addr=read_str("MASTER_ADDR", env),
+        master_port=read_int("MASTER_PORT", env),
+    )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _check_consistent(launch: LaunchEnv) -> None:
+    if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
+        raise ConfigurationError(
+            f"the {launch.launcher} launcher variables say rank {launch.rank} of world size "
+            f"{launch.world_size}; a rank must lie in [0, world size). Check the launch command."
+        )
+    if not 0 <= launch.local_rank < max(launch.local_world_size, 1):
+        raise ConfigurationError(
+            f"the {launch.launcher} launcher variables say local rank {launch.local_rank} of "
+            f"{launch.local_world_size} local processes; check the launch command."
+        )

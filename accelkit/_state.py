@@ -1,0 +1,265 @@
+"""The one process-global of accelkit: a frozen snapshot of where this process stands.
+
+Built lazily on first use, guarded by a lock, forgotten by :func:`reset_state` or when the
+process id changes (a forked child never reuses its parent's state or process group).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from . import _env
+from ._backends import Backend, select_backend
+from ._options import Options
+from .errors import ConfigurationError, StateError
+
+__all__ = ["ProcessState", "get", "init", "is_initialized", "reset_state"]
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """Where this process stands in the job. Read it with ``ak.state()``.
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.state().world_size
+        1
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    device: torch.device
+    backend: str
+    options: Options
+    launcher: str = "none"
+    pid: int = field(default_factory=os.getpid, repr=False, compare=False)
+    hardware: Backend | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+
+_lock = threading.RLock()
+_state: ProcessState | None = None
+_origin = ""  # where the state was created, for error messages
+_owns_group = False  # whether accelkit created the process group (and so destroys it)
+_exit_hook_registered = False
+breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
+
+_LAUNCH_CHECKED = ("num_processes", "num_nodes", "node_rank")
+_LAUNCH_FALLBACKS = ("master_addr", "master_port")
+
+
+def get() -> ProcessState:
+    """The current state, built on first use."""
+    st = _state
+    if st is not None and st.pid == os.getpid():
+        return st
+    with _lock:
+        return _current() or _create({}, {}, "first use")
+
+
+def is_initialized() -> bool:
+    """Whether the state exists in this process (nothing is created by asking)."""
+    with _lock:
+        return _current() is not None
+
+
+def init(**options: Any) -> ProcessState:
+    """Initialise the state explicitly (optional); the same options again are a no-op.
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.init(precision="bf16").options.precision
+        'bf16'
+    """
+    launch_opts = {k: options.pop(k) for k in (*_LAUNCH_CHECKED, *_LAUNCH_FALLBACKS) if k in options}
+    for name in ("max_restarts", "start_method"):
+        if name in options:
+            raise TypeError(
+                f"accelkit.init({name}={options[name]!r}): init does not start processes; "
+                f"pass {name} to @ak.distributed, ak.launch or `accelkit launch`"
+            )
+    explicit = {k: v for k, v in options.items() if v is not None}
+    with _lock:
+        st = _current()
+        if st is None:
+            st = _create(explicit, launch_opts, "accelkit.init")
+        else:
+            wanted = Options.resolve(explicit, "accelkit.init")
+            conflicts = {k: v for k, v in explicit.items() if getattr(wanted, k) != getattr(st.options, k)}
+            if conflicts:
+                asked = ", ".join(f"{k}={v!r}" for k, v in conflicts.items())
+                have = ", ".join(f"{k}={getattr(st.options, k)!r}" for k in conflicts)
+                raise StateError(
+                    f"accelkit.init({asked}) conflicts with the state created at {_origin} with "
+                    f"{have}. Pass the same options, or call ak.reset_state() first to start over."
+                )
+        _check_launch(st, launch_opts)
+        return st
+
+
+def reset_state() -> None:
+    """Destroy the process group accelkit created and forget the state.
+
+    A group the user created before accelkit adopted it is left to the user.
+    """
+    global _state, _owns_group, breakpoint_requested
+    with _lock:
+        if _current() is not None and _owns_group:
+            _destroy_group()
+        _state, _owns_group, breakpoint_requested = None, False, False
+
+
+def _current() -> ProcessState | None:
+    global _state, _owns_group
+    if _state is not None and _state.pid != os.getpid():
+        # Forked child: the parent's group and device are not ours to use or destroy.
+        _state, _owns_group = None, False
+    return _state
+
+
+def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) -> ProcessState:
+    global _state, _origin, _owns_group
+    options = Options.resolve(explicit, "accelkit.init")
+    launch = _env.detect_launch()
+    hardware = select_backend(cpu=options.cpu)
+    device = hardware.device(launch.local_rank)
+    backend = options.backend or hardware.dist_backend
+    owns = False
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        launch = _adopt(launch, dist)
+        backend = str(dist.get_backend())
+    elif launch.world_size > 1:
+        _init_group(launch, backend, options.timeout, launch_opts)
+        owns = True
+    st = ProcessState(
+        rank=launch.rank,
+        world_size=launch.world_size,
+        local_rank=launch.local_rank,
+        local_world_size=launch.local_world_size,
+        node_rank=launch.node_rank,
+        num_nodes=launch.num_nodes,
+        device=device,
+        backend=backend,
+        options=options,
+        launcher=launch.launcher,
+        hardware=hardware,
+    )
+    _state, _owns_group, _origin = st, owns, f"{_caller()} ({reason})"
+    if owns:
+        _register_exit_hook()
+    return st
+
+
+def _adopt(launch: _env.LaunchEnv, dist: Any) -> _env.LaunchEnv:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if launch.launcher == "none":
+        return _env.LaunchEnv("user", rank, world, rank, world, 0, 1)
+    if (launch.rank, launch.world_size) != (rank, world):
+        raise StateError(
+            f"the existing process group says rank {rank} of {world}, but the {launch.launcher} "
+            f"variables say rank {launch.rank} of {launch.world_size}; create the group with "
+            f"the launcher's RANK and WORLD_SIZE, or let accelkit create it"
+        )
+    return launch
+
+
+def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    addr = launch.master_addr or launch_opts.get("master_addr")
+    port = launch.master_port or launch_opts.get("master_port")
+    if addr is None:
+        if launch.num_nodes > 1:
+            raise ConfigurationError(
+                f"rank {launch.rank}: {launch.launcher} started {launch.num_nodes} nodes but "
+                f"MASTER_ADDR is not set; export MASTER_ADDR=<address of the rank-0 node>"
+            )
+        addr = "127.0.0.1"
+    if port is None:
+        if launch.launcher in ("openmpi", "pmi", "slurm"):
+            port = 29500  # torch's conventional default; set MASTER_PORT to choose another
+        else:
+            raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
+    try:
+        # The elastic agent's store outlives a restart: each attempt gets its own key prefix.
+        store = dist.TCPStore(
+            str(addr),
+            int(port),
+            launch.world_size,
+            is_master=launch.rank == 0 and not launch.agent_store,
+            timeout=timedelta(seconds=timeout),
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"accelkit/attempt{launch.restart_count}", store),
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    except Exception as exc:
+        raise StateError(
+            f"rank {launch.rank} of {launch.world_size} could not join the {backend} process "
+            f"group at {addr}:{port} within {timeout:g} s: {exc}. Check that every rank was "
+            f"started and that MASTER_ADDR/MASTER_PORT agree across them."
+        ) from exc
+
+
+def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
+    actual = {"num_processes": st.local_world_size, "num_nodes": st.num_nodes, "node_rank": st.node_rank}
+    for name in _LAUNCH_CHECKED:
+        if name in launch_opts and launch_opts[name] is not None and launch_opts[name] != actual[name]:
+            raise StateError(
+                f"accelkit.init({name}={launch_opts[name]!r}) but this process was started with "
+                f"{name}={actual[name]}; init does not start processes: use @ak.distributed, "
+                f"ak.launch or `accelkit launch` to choose {name}"
+            )
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _register_exit_hook() -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        # Tearing the group down before interpreter exit avoids gloo's SIGABRT at shutdown.
+        atexit.register(reset_state)
+        _exit_hook_registered = True
+
+
+def _caller() -> str:
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

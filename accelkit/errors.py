@@ -1,0 +1,98 @@
+"""The exceptions accelkit raises. Each subclasses the builtin it refines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ConfigurationError",
+    "DistributedOperationError",
+    "StateError",
+    "WorkerError",
+    "WorkerFailure",
+]
+
+
+class ConfigurationError(ValueError):
+    """An option, environment variable or config value is invalid."""
+
+
+class StateError(RuntimeError):
+    """The process state was asked for something it cannot do (e.g. conflicting ``init``)."""
+
+
+class DistributedOperationError(RuntimeError):
+    """A collective could not be applied because the ranks disagree about it."""
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """What one failed worker reported.
+
+    ``exc_type`` and ``message`` are empty when the process died without a Python
+    exception (a signal, ``os._exit``); ``exitcode`` then says how it ended.
+    """
+
+    rank: int
+    local_rank: int
+    pid: int | None
+    exitcode: int | None
+    exc_type: str
+    message: str
+    traceback: str
+    timestamp: float
+
+    def headline(self) -> str:
+        if self.exc_type:
+            return f"{self.exc_type}: {self.message}" if self.message else self.exc_type
+        return _describe_exit(self.exitcode)
+
+
+class WorkerError(RuntimeError):
+    """One or more workers of a multi-process run failed.
+
+    ``failures`` lists them root cause first (the earliest failure leads). The other
+    workers were stopped before this was raised.
+    """
+
+    def __init__(self, failures: list[WorkerFailure], what: str = "workers") -> None:
+        self.failures = sorted(failures, key=lambda f: (f.timestamp, f.rank))
+        super().__init__(self._format(what))
+
+    @property
+    def ranks(self) -> list[int]:
+        """The failed ranks, root cause first."""
+        return [f.rank for f in self.failures]
+
+    def _format(self, what: str) -> str:
+        if not self.failures:
+            return f"the {what} failed without reporting an error"
+        first = self.failures[0]
+        lines = [
+            f"rank {first.rank} failed: {first.headline()}"
+            + (f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""),
+            "Failures, root cause first:",
+        ]
+        for f in self.failures:
+            where = f"local rank {f.local_rank}" + (f", pid {f.pid}" if f.pid else "")
+            if f.exitcode not in (None, 0, 1) or not f.exc_type:
+                where += f", {_describe_exit(f.exitcode)}"
+            lines.append(f"  - rank {f.rank} ({where}): {f.headline()}")
+            if f.traceback:
+                lines.extend("      " + line for line in f.traceback.rstrip().splitlines())
+        return "\n".join(lines)
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "did not finish"
+    if exitcode < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (killed; out of memory?)" if name == "SIGKILL" else ""
+        return f"died from {name}{hint}"
+    return f"exited with code {exitcode} without a Python exception"

@@ -1,0 +1,225 @@
+"""Helpers to test distributed code for real: N gloo CPU workers on 127.0.0.1.
+
+- :func:`run_distributed` starts fresh workers (the same path as ``@ak.distributed``) and
+  returns every rank's result.
+- :class:`WorkerPool` keeps a group of workers alive and sends them one task after
+  another, so that property tests do not pay a process start per example.
+
+Functions sent to workers must be defined at module level (workers import them by name).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import _env, _options, _state
+from ._agent import AgentConfig, check_picklable, exception_name, free_port, run_workers, user_traceback
+from .errors import WorkerError, WorkerFailure
+
+__all__ = ["WorkerPool", "run_distributed"]
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    num_processes: int = 2,
+    timeout: float = 120.0,
+    max_restarts: int = 0,
+    **options: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_processes`` CPU workers; each rank's result.
+
+    A worker that raises, dies or runs past ``timeout`` seconds stops the others and
+    raises :class:`~accelkit.WorkerError` with its traceback (for a timeout: where it was).
+
+    Example:
+        >>> from accelkit.testing import run_distributed
+        >>> import accelkit as ak
+        >>> run_distributed(ak.world_size)  # doctest: +SKIP
+        [2, 2]
+    """
+    state_options = _options.validate({"cpu": True, **options}, "accelkit.testing.run_distributed")
+    config = AgentConfig(num_processes=num_processes, max_restarts=max_restarts, start_method="spawn")
+    results = run_workers(fn, tuple(args), dict(kwargs or {}), config, _env.option_env(state_options), timeout)
+    return [results[r] for r in sorted(results)]
+
+
+class WorkerPool:
+    """A long-lived group of ``num_processes`` gloo CPU workers that run tasks in turn.
+
+    Each worker joins the process group once, with ``options`` (e.g. ``debug=True``),
+    then runs every task it is sent. A task that fails on every rank leaves the group
+    usable; one that leaves a rank stuck (or dead) restarts the group for the next task.
+
+    Example:
+        >>> import accelkit as ak
+        >>> from accelkit.testing import WorkerPool
+        >>> with WorkerPool(2) as pool:  # doctest: +SKIP
+        ...     pool.run(ak.rank)
+        [0, 1]
+    """
+
+    def __init__(self, num_processes: int = 2, *, timeout: float = 60.0, grace: float = 5.0, **options: Any) -> None:
+        self.num_processes = num_processes
+        self.timeout = timeout
+        self.grace = grace
+        self._env = _env.option_env(_options.validate({"cpu": True, **options}, "accelkit.testing.WorkerPool"))
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._ids = itertools.count()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every worker; the results in rank order."""
+        check_picklable(fn, args, kwargs, "spawn")
+        self._start()
+        task = next(self._ids)
+        for conn in self._conns:
+            conn.send((task, fn, args, kwargs))
+        return self._collect(task, timeout or self.timeout)
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force) and wait for them."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def _start(self) -> None:
+        if self._procs:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        port = free_port()
+        for rank in range(self.num_processes):
+            parent, child = ctx.Pipe()
+            env = {
+                **self._env,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.num_processes),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(self.num_processes),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            proc = ctx.Process(target=_pool_worker, args=(env, child), daemon=True, name=f"accelkit-pool-{rank}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        try:
+            self._collect(-1, self.timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, task: int, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        failures: dict[int, WorkerFailure] = {}
+        deadline = time.monotonic() + timeout
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        by_conn = {id(c): r for r, c in enumerate(self._conns)}
+        pending = set(range(self.num_processes))
+        while pending and time.monotonic() < deadline:
+            waitables: list[Any] = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            for ready in multiprocessing.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
+                if isinstance(ready, int):  # a process ended
+                    rank = by_sentinel[ready]
+                    if rank in pending and not self._conns[rank].poll():
+                        failures[rank] = _died(rank, self._procs[rank])
+                        pending.discard(rank)
+                    continue
+                rank = by_conn[id(ready)]
+                try:
+                    got_task, ok, value = ready.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    continue
+                if got_task != task:
+                    continue  # a late answer to an abandoned task
+                pending.discard(rank)
+                if ok:
+                    results[rank] = value
+                else:
+                    failures[rank] = value
+            if failures:
+                deadline = min(deadline, time.monotonic() + self.grace)
+        if not pending and not failures:
+            return [results[r] for r in range(self.num_processes)]
+        for rank in pending:
+            failures[rank] = _stuck(rank, self._procs[rank], timeout if not failures else self.grace)
+        if pending or any(f.exc_type == "" for f in failures.values()):
+            self.close()  # a rank is stuck or gone: start afresh next time
+        raise WorkerError(list(failures.values()), what="worker pool task")
+
+
+def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connection) -> None:
+    import torch
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    rank = int(env["RANK"])
+    try:
+        _state.get()  # join the process group once, up front
+        conn.send((-1, True, None))
+    except BaseException as exc:
+        conn.send((-1, False, _failure(rank, exc)))
+        return
+    try:
+        while True:
+            try:
+                item = conn.recv()
+            except EOFError:
+                break
+            if item is None:
+                break
+            task, fn, args, kwargs = item
+            try:
+                value = fn(*args, **kwargs)
+                pickle.dumps(value)
+                conn.send((task, True, value))
+            except BaseException as exc:
+                conn.send((task, False, _failure(rank, exc)))
+    finally:
+        _state.reset_state()
+        conn.close()
+
+
+def _failure(rank: int, exc: BaseException) -> WorkerFailure:
+    return WorkerFailure(rank, rank, os.getpid(), 1, exception_name(exc), str(exc), user_traceback(exc), time.time())
+
+
+def _died(rank: int, proc: multiprocessing.process.BaseProcess) -> WorkerFailure:
+    return WorkerFailure(rank, rank, proc.pid, proc.exitcode, "", "", "", time.time())
+
+
+def _stuck(rank: int, proc: multiprocessing.process.BaseProcess, waited: float) -> WorkerFailure:
+    message = f"rank {rank} did not answer within {waited:g} s (stuck in a collective?)"
+    return WorkerFailure(rank, rank, proc.pid, None, "TimeoutError", message, "", time.time())

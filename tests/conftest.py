@@ -1,0 +1,96 @@
+"""Hygiene for every test, and the long-lived worker group the distributed tests share."""
+
+from __future__ import annotations
+
+import multiprocessing.resource_tracker
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import accelkit as ak
+from accelkit.testing import WorkerPool
+
+# Workers started by the tests share two cores: one thread each.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+# multiprocessing's helper process lives for the whole session; start it before any test.
+multiprocessing.resource_tracker.ensure_running()
+
+
+def _children() -> set[int]:
+    pid = os.getpid()
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.update(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1][0] != "Z":
+                    alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+_pools: list[WorkerPool] = []
+
+
+@pytest.fixture(autouse=True)
+def hygiene() -> Iterator[None]:
+    """Reset accelkit; fail on leaked env vars, process groups, threads and child processes."""
+    ak.reset_state()
+    env = dict(os.environ)
+    threads = set(threading.enumerate())
+    children = _children()
+    yield
+    ak.reset_state()
+    problems = []
+    if dist.is_initialized():
+        problems.append("a process group is still initialised")
+        dist.destroy_process_group()
+    changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
+    changed.discard("PYTEST_CURRENT_TEST")
+    if changed:
+        problems.append(f"environment variables changed: {sorted(changed)}")
+        os.environ.clear()
+        os.environ.update(env)
+    leaked_threads = [t for t in set(threading.enumerate()) - threads if t.is_alive()]
+    if leaked_threads:
+        problems.append(f"threads left running: {leaked_threads}")
+    pool_pids = {pid for pool in _pools for pid in pool.pids}
+    leaked = _alive(_children() - children - pool_pids)
+    if leaked:
+        problems.append(f"child processes left running: {sorted(leaked)}")
+    if problems:
+        pytest.fail("test hygiene: " + "; ".join(problems))
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[WorkerPool]:
+    """Two gloo CPU workers, started once per session; send them module-level functions."""
+    with WorkerPool(2) as workers:
+        _pools.append(workers)
+        yield workers
+    _pools.remove(workers)
+
+
+@pytest.fixture(scope="session")
+def debug_pool() -> Iterator[WorkerPool]:
+    """Like ``pool``, with accelkit's debug mode on in the workers."""
+    with WorkerPool(2, debug=True) as workers:
+        _pools.append(workers)
+        yield workers
+    _pools.remove(workers)
