@@ -1,36 +1,66 @@
 """accelkit: one PyTorch training script on a CPU, a GPU, many GPUs or many machines.
 
+Names are loaded on first use, so that ``accelkit --help`` needs no torch import.
+
 Example:
     >>> import accelkit as ak
     >>> ak.world_size()
     1
 """
 
-from ._state import ProcessState, init, is_initialized, reset_state
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .errors import ConfigurationError, DistributedOperationError, StateError, WorkerError
-from .launcher import distributed, launch
-from .logging import get_logger
-from .process import (
-    check_breakpoint,
-    device,
-    is_local_main_process,
-    is_main_process,
-    local_main_process_first,
-    local_rank,
-    main_process_first,
-    on_local_main_process,
-    on_main_process,
-    on_process,
-    print,
-    rank,
-    set_breakpoint,
-    set_seed,
-    state,
-    wait_for_everyone,
-    world_size,
-)
-from .split import split_between_processes
+
+if TYPE_CHECKING:
+    from ._state import ProcessState, init, is_initialized, reset_state
+    from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
+    from .errors import ConfigurationError, DistributedOperationError, StateError, WorkerError
+    from .launcher import distributed, launch
+    from .logging import get_logger
+    from .process import (
+        check_breakpoint,
+        device,
+        is_local_main_process,
+        is_main_process,
+        local_main_process_first,
+        local_rank,
+        main_process_first,
+        on_local_main_process,
+        on_main_process,
+        on_process,
+        print,
+        rank,
+        set_breakpoint,
+        set_seed,
+        state,
+        wait_for_everyone,
+        world_size,
+    )
+    from .split import split_between_processes
+
+# public name -> the module that defines it
+_HOMES = {
+    **dict.fromkeys(["ProcessState", "init", "is_initialized", "reset_state"], "._state"),
+    **dict.fromkeys(["ConfigurationError", "DistributedOperationError", "StateError", "WorkerError"], ".errors"),
+    **dict.fromkeys(["distributed", "launch"], ".launcher"),
+    "get_logger": ".logging",
+    **dict.fromkeys(
+        [
+            "check_breakpoint", "device", "is_local_main_process", "is_main_process", "local_main_process_first",
+            "local_rank", "main_process_first", "on_local_main_process", "on_main_process", "on_process", "print",
+            "rank", "set_breakpoint", "set_seed", "state", "wait_for_everyone", "world_size",
+        ],
+        ".process",
+    ),  # fmt: skip
+    "split_between_processes": ".split",
+    **dict.fromkeys(
+        ["broadcast", "broadcast_object", "gather", "gather_object", "pad_across_processes", "reduce"], ".collectives"
+    ),
+}
 
 __all__ = [
     "ConfigurationError",
@@ -39,9 +69,13 @@ __all__ = [
     "StateError",
     "WorkerError",
     "__version__",
+    "broadcast",
+    "broadcast_object",
     "check_breakpoint",
     "device",
     "distributed",
+    "gather",
+    "gather_object",
     "get_logger",
     "init",
     "is_initialized",
@@ -54,8 +88,10 @@ __all__ = [
     "on_local_main_process",
     "on_main_process",
     "on_process",
+    "pad_across_processes",
     "print",
     "rank",
+    "reduce",
     "reset_state",
     "set_breakpoint",
     "set_seed",
@@ -64,3 +100,16 @@ __all__ = [
     "wait_for_everyone",
     "world_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'accelkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -92,15 +92,16 @@ class WorkerPool:
         check_picklable(fn, args, kwargs, "spawn")
         self._start()
         task = next(self._ids)
+        message = pickle.dumps((task, fn, args, kwargs))
         for conn in self._conns:
-            conn.send((task, fn, args, kwargs))
+            conn.send_bytes(message)
         return self._collect(task, timeout or self.timeout)
 
     def close(self) -> None:
         """Stop every worker (politely, then by force) and wait for them."""
         for conn in self._conns:
             try:
-                conn.send(None)
+                conn.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
         deadline = time.monotonic() + 5
@@ -159,8 +160,11 @@ class WorkerPool:
                     continue
                 rank = by_conn[id(ready)]
                 try:
-                    got_task, ok, value = ready.recv()  # type: ignore[union-attr]
-                except EOFError:
+                    got_task, ok, value = pickle.loads(ready.recv_bytes())  # type: ignore[union-attr]
+                except EOFError:  # the worker is gone
+                    self._procs[rank].join(1)
+                    failures[rank] = _died(rank, self._procs[rank])
+                    pending.discard(rank)
                     continue
                 if got_task != task:
                     continue  # a late answer to an abandoned task
@@ -188,25 +192,24 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
     rank = int(env["RANK"])
     try:
         _state.get()  # join the process group once, up front
-        conn.send((-1, True, None))
+        conn.send_bytes(pickle.dumps((-1, True, None)))
     except BaseException as exc:
-        conn.send((-1, False, _failure(rank, exc)))
+        conn.send_bytes(pickle.dumps((-1, False, _failure(rank, exc))))
         return
     try:
         while True:
             try:
-                item = conn.recv()
+                item = pickle.loads(conn.recv_bytes())
             except EOFError:
                 break
             if item is None:
                 break
             task, fn, args, kwargs = item
             try:
-                value = fn(*args, **kwargs)
-                pickle.dumps(value)
-                conn.send((task, True, value))
+                answer = pickle.dumps((task, True, fn(*args, **kwargs)))
             except BaseException as exc:
-                conn.send((task, False, _failure(rank, exc)))
+                answer = pickle.dumps((task, False, _failure(rank, exc)))
+            conn.send_bytes(answer)
     finally:
         _state.reset_state()
         conn.close()

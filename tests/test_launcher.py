@@ -1,0 +1,171 @@
+"""@ak.distributed, ak.launch and run_distributed on real 2-process gloo groups."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import accelkit as ak
+from accelkit.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+@ak.distributed(num_processes=2, cpu=True)
+def summed_rank(offset: int, *, scale: float = 1.0) -> dict[str, float]:
+    """Each rank contributes rank + offset; all ranks see the sum."""
+    total = torch.tensor([float(ak.rank() + offset)])
+    dist.all_reduce(total)
+    return {"rank": ak.rank(), "world": ak.world_size(), "sum": total.item() * scale}
+
+
+@ak.distributed(2, cpu=True)
+def fail_on_rank_one() -> None:
+    ak.wait_for_everyone()
+    if ak.rank() == 1:
+        raise ValueError("bad batch on rank 1")
+    ak.wait_for_everyone()  # rank 0 waits here for a peer that is gone
+
+
+def options_seen() -> tuple[int, str, int, bool]:
+    options = ak.state().options
+    return ak.rank(), options.precision, options.gradient_accumulation_steps, options.debug
+
+
+def crash_first_attempt() -> int:
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and ak.rank() == 1:
+        raise RuntimeError("transient failure")
+    ak.wait_for_everyone()
+    return attempt
+
+
+def killed_by_signal() -> None:
+    if ak.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ak.wait_for_everyone()
+
+
+def hang_on_rank_one() -> None:
+    if ak.rank() == 1:
+        time.sleep(600)
+
+
+def test_returns_rank_zeros_value() -> None:
+    assert summed_rank(10, scale=2.0) == {"rank": 0, "world": 2, "sum": 42.0}
+
+
+def test_decorator_keeps_signature_name_and_doc() -> None:
+    assert summed_rank.__name__ == "summed_rank"
+    assert summed_rank.__doc__ == "Each rank contributes rank + offset; all ranks see the sum."
+    assert str(inspect.signature(summed_rank)) == "(offset: 'int', *, scale: 'float' = 1.0) -> 'dict[str, float]'"
+    assert inspect.unwrap(summed_rank) is not summed_rank
+
+
+def test_worker_failure_names_the_rank_and_stops_the_others() -> None:
+    started = time.monotonic()
+    with pytest.raises(ak.WorkerError) as err:
+        fail_on_rank_one()
+    assert time.monotonic() - started < 60, "a failing worker must end the job promptly"
+    assert err.value.ranks[0] == 1
+    message = str(err.value)
+    assert message.startswith("rank 1 failed: ValueError: bad batch on rank 1")
+    assert 'raise ValueError("bad batch on rank 1")' in message  # the traceback line
+    assert "test_launcher.py" in message
+    # the hygiene fixture checks that no worker is left running
+
+
+def test_every_option_reaches_the_workers() -> None:
+    results = run_distributed(options_seen, precision="bf16", gradient_accumulation_steps=4, debug=True)
+    assert results == [(0, "bf16", 4, True), (1, "bf16", 4, True)]
+
+
+def test_launch_with_the_same_options() -> None:
+    assert ak.launch(options_seen, num_processes=2, cpu=True, precision="fp16") == (0, "fp16", 1, False)
+
+
+def test_max_restarts_restarts_the_group() -> None:
+    assert run_distributed(crash_first_attempt, max_restarts=1) == [1, 1]
+
+
+def test_without_restarts_the_failure_is_reported() -> None:
+    with pytest.raises(ak.WorkerError, match="transient failure"):
+        run_distributed(crash_first_attempt)
+
+
+def test_a_worker_killed_by_a_signal_is_named() -> None:
+    with pytest.raises(ak.WorkerError) as err:
+        run_distributed(killed_by_signal)
+    failure = next(f for f in err.value.failures if f.rank == 1)
+    assert failure.exitcode == -signal.SIGKILL
+    assert "rank 1" in str(err.value) and "SIGKILL" in str(err.value)
+
+
+def test_a_hung_worker_times_out_and_says_where_it_was() -> None:
+    with pytest.raises(ak.WorkerError) as err:
+        run_distributed(hang_on_rank_one, timeout=5)
+    assert err.value.ranks[0] == 1
+    assert "did not finish within 5 s" in str(err.value)
+    assert "time.sleep(600)" in str(err.value)
+
+
+def test_one_process_runs_here() -> None:
+    pid = os.getpid()
+    assert ak.launch(os.getpid, num_processes=1) == pid
+    assert ak.state().world_size == 1
+
+
+def test_one_process_errors_propagate_unchanged() -> None:
+    def fail() -> None:
+        raise KeyError("plain")
+
+    with pytest.raises(KeyError, match="plain"):
+        ak.launch(fail, num_processes=1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_num_processes(bad: object) -> None:
+    with pytest.raises(ak.ConfigurationError, match=rf"num_processes={bad!r}.*positive number"):
+        ak.distributed(num_processes=bad)  # type: ignore[call-overload]
+
+
+def test_launch_needs_a_callable() -> None:
+    with pytest.raises(TypeError, match="fn must be callable"):
+        ak.launch("train.py")  # type: ignore[arg-type]
+
+
+def test_lambda_under_spawn_is_refused_before_starting() -> None:
+    with pytest.raises(ValueError, match="lambda.*module level.*start_method='fork'"):
+        ak.launch(lambda: 1, num_processes=2, cpu=True, start_method="spawn")
+
+
+def test_unknown_option_is_named() -> None:
+    with pytest.raises(TypeError, match="unexpected option 'num_procs'"):
+        ak.distributed(num_procs=2)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"num_nodes": 2}, "needs master_port"),
+        ({"node_rank": 1}, "node_rank=1"),
+        ({"master_port": 70000}, "master_port=70000"),
+        ({"max_restarts": -1}, "max_restarts=-1"),
+        ({"start_method": "thread"}, "start_method='thread'"),
+    ],
+)
+def test_bad_launch_options(options: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ak.ConfigurationError, match="expected|needs") as err:
+        ak.distributed(**options)  # type: ignore[call-overload]
+    assert fragment in str(err.value)
+
+
+def test_decorating_a_non_function_is_an_error() -> None:
+    with pytest.raises(TypeError, match="expects a function or num_processes"):
+        ak.distributed("train")  # type: ignore[call-overload]

@@ -1,0 +1,172 @@
+"""The process state on one process: lazy creation, init, reset, fork, env, adoption."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import accelkit as ak
+
+
+def test_state_is_lazy_and_single_process() -> None:
+    assert not ak.is_initialized()
+    st = ak.state()
+    assert ak.is_initialized()
+    assert (st.rank, st.world_size, st.local_rank, st.local_world_size) == (0, 1, 0, 1)
+    assert (st.node_rank, st.num_nodes) == (0, 1)
+    assert st.is_main_process and st.is_local_main_process and not st.distributed
+    assert st.device == ak.device() == torch.device("cpu")
+    assert st.backend == "gloo"
+    assert ak.state() is st
+    assert not dist.is_initialized()  # one process: no group
+
+
+def test_state_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        ak.state().rank = 3  # type: ignore[misc]
+
+
+def test_init_same_options_is_a_noop_and_conflicts_name_the_origin() -> None:
+    st = ak.init(precision="bf16", gradient_accumulation_steps=2)
+    assert ak.init(precision="bf16") is st
+    assert st.options.precision == "bf16" and st.options.gradient_accumulation_steps == 2
+    with pytest.raises(ak.StateError) as err:
+        ak.init(precision="fp16")
+    message = str(err.value)
+    assert "precision='fp16'" in message and "precision='bf16'" in message
+    assert __file__ in message  # where the state was first created
+    assert "reset_state" in message
+
+
+def test_lazy_state_then_conflicting_init_says_it_was_first_use() -> None:
+    ak.rank()
+    with pytest.raises(ak.StateError, match="first use"):
+        ak.init(debug=True)
+
+
+def test_reset_state_forgets() -> None:
+    first = ak.init(precision="fp16")
+    ak.reset_state()
+    assert not ak.is_initialized()
+    assert ak.init(precision="bf16") is not first
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"precision": "fp64"}, "precision='fp64'"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+        ({"timeout": -1}, "timeout=-1"),
+        ({"backend": "tcp"}, "backend='tcp'"),
+        ({"debug": "yes"}, "debug='yes'"),
+    ],
+)
+def test_init_rejects_bad_values(options: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ak.ConfigurationError, match="expected") as err:
+        ak.init(**options)
+    assert fragment in str(err.value)
+    assert not ak.is_initialized()
+
+
+def test_init_unknown_option_suggests_the_close_one() -> None:
+    with pytest.raises(TypeError, match="did you mean 'precision'"):
+        ak.init(precison="bf16")
+
+
+def test_init_refuses_launch_only_options() -> None:
+    with pytest.raises(TypeError, match="does not start processes"):
+        ak.init(max_restarts=2)
+    with pytest.raises(ak.StateError, match="num_processes=4"):
+        ak.init(num_processes=4)
+
+
+def test_options_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELKIT_PRECISION", "bf16")
+    monkeypatch.setenv("ACCELKIT_DEBUG", "1")
+    monkeypatch.setenv("ACCELKIT_GRADIENT_ACCUMULATION_STEPS", "8")
+    monkeypatch.setenv("ACCELKIT_TIMEOUT", "30")
+    options = ak.state().options
+    assert (options.precision, options.debug, options.gradient_accumulation_steps, options.timeout) == (
+        "bf16", True, 8, 30.0,
+    )  # fmt: skip
+    ak.reset_state()
+    assert ak.init(precision="fp16").options.precision == "fp16"  # explicit beats the environment
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("ACCELKIT_PRECISION", "half"), ("ACCELKIT_DEBUG", "maybe"), ("RANK", "one"), ("ACCELKIT_TIMEOUT", "soon")],
+)
+def test_bad_environment_values_are_named(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ak.ConfigurationError) as err:
+        ak.state()
+    assert name in str(err.value) and repr(value) in str(err.value)
+
+
+def test_rank_outside_world_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(ak.ConfigurationError, match="rank 5 of world size 2"):
+        ak.state()
+
+
+def test_a_launcher_world_of_one_is_still_a_launched_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(name, value)
+    st = ak.state()
+    assert st.launcher == "torchrun" and st.world_size == 1 and not dist.is_initialized()
+
+
+def test_fork_never_reuses_the_parents_state() -> None:
+    parent = ak.init(precision="bf16")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            fresh = ak.state()
+            ok = fresh is not parent and fresh.options.precision == "no" and fresh.pid == os.getpid()
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1" and status == 0
+    os.close(read)
+    assert ak.state() is parent
+
+
+def test_adopts_a_group_the_user_created() -> None:
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        st = ak.state()
+        assert st.backend == "gloo" and st.launcher == "user" and st.world_size == 1
+        ak.reset_state()
+        assert dist.is_initialized(), "a group accelkit did not create is the user's to destroy"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unsupported_accelerator_says_what_is_missing(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = os.path.join(str(tmp_path), "torch_xla")
+    os.makedirs(fake)
+    open(os.path.join(fake, "__init__.py"), "w").close()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ak.ConfigurationError, match="xla.*not wired up.*cpu=True"):
+        ak.state()
+    assert ak.init(cpu=True).device == torch.device("cpu")
+    assert "torch_xla" not in sys.modules
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_device_and_backend() -> None:
+    st = ak.state()
+    assert st.device == torch.device("cuda", 0) and st.backend == "nccl"
