@@ -28,7 +28,6 @@ from typing import Any
 from . import _env, _state
 from .errors import WorkerError, WorkerFailure
 
-
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -257,7 +256,7 @@ def _quiet_agent(quiet: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        for log, level in zip(logs, before):
+        for log, level in zip(logs, before, strict=True):
             log.setLevel(level)
 
 

@@ -64,8 +64,7 @@ def read_int(name: str, env: Mapping[str, str] | None = None) -> int | None:
         return int(raw)
     except ValueError:
         raise ConfigurationError(
-            f"environment variable {name}={raw!r} is not an integer; "
-            f"unset it or set it to a whole number"
+            f"environment variable {name}={raw!r} is not an integer; unset it or set it to a whole number"
         ) from None
 
 
@@ -79,9 +78,7 @@ def read_bool(name: str, env: Mapping[str, str] | None = None) -> bool | None:
         return True
     if value in _FALSE:
         return False
-    raise ConfigurationError(
-        f"environment variable {name}={raw!r} is not a boolean; use 1/0, true/false or yes/no"
-    )
+    raise ConfigurationError(f"environment variable {name}={raw!r} is not a boolean; use 1/0, true/false or yes/no")
 
 
 def read_str(name: str, env: Mapping[str, str] | None = None) -> str | None:

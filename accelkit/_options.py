@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from . import _env
 from .errors import ConfigurationError
@@ -39,7 +39,7 @@ class Options:
         for name, raw in _env.option_overrides().items():
             merged[name] = _from_env(name, str(raw))
         merged.update({k: v for k, v in explicit.items() if v is not None})
-        return replace(cls(), **validate(merged, call))
+        return replace(cls(), **cast("dict[str, Any]", validate(merged, call)))
 
 
 def validate(options: Mapping[str, object], call: str) -> dict[str, object]:

@@ -207,7 +207,7 @@ def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opt
             raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
     try:
         # The elastic agent's store outlives a restart: each attempt gets its own key prefix.
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             str(addr),
             int(port),
             launch.world_size,
@@ -216,7 +216,7 @@ def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opt
         )
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"accelkit/attempt{launch.restart_count}", store),
+            store=dist.PrefixStore(f"accelkit/attempt{launch.restart_count}", store),  # type: ignore[attr-defined]
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timedelta(seconds=timeout),

@@ -6,7 +6,7 @@ import multiprocessing
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import wrapt
 from typing_extensions import ParamSpec
@@ -61,7 +61,7 @@ class LaunchOptions:
             raise ConfigurationError(f"{call}(start_method={self.start_method!r}): expected one of {methods}")
 
 
-class _DistributedFunction(wrapt.FunctionWrapper):  # type: ignore[misc]
+class _DistributedFunction(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """What ``@ak.distributed`` returns: the function, keeping its signature and name."""
 
 
@@ -143,11 +143,13 @@ def _wrap(fn: Callable[P, R], launch_options: LaunchOptions, state_options: dict
         raise TypeError(f"@accelkit.distributed(...) must decorate a function, got {fn!r}")
 
     def wrapper(wrapped: Callable[..., R], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R | None:
-        target: Any = proxy if instance is None else wrapped.__get__(instance)  # type: ignore[attr-defined]
-        return _call(target, args, kwargs, launch_options, state_options, direct=wrapped if instance is None else target)
+        target: Any = proxy if instance is None else wrapped.__get__(instance)
+        return _call(
+            target, args, kwargs, launch_options, state_options, direct=wrapped if instance is None else target
+        )
 
     proxy = _DistributedFunction(fn, wrapper)
-    return proxy  # type: ignore[no-any-return]
+    return cast("Callable[P, R]", proxy)
 
 
 def _call(
@@ -159,7 +161,7 @@ def _call(
     direct: Callable[..., R] | None = None,
 ) -> R | None:
     run = direct or fn
-    if _env.detect_launch().launcher != "none" or launch_options.num_processes == 1 and launch_options.num_nodes == 1:
+    if _env.detect_launch().launcher != "none" or (launch_options.num_processes == 1 and launch_options.num_nodes == 1):
         _state.init(**state_options)
         return run(*args, **kwargs)
     if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -174,7 +176,9 @@ def _call(
     if _state.is_initialized():
         # Workers build their own state; a live one here would be duplicated by fork.
         _state.reset_state()
-    target: Any = FunctionRef(fn.__module__, fn.__qualname__) if isinstance(fn, _DistributedFunction) else fn
+    target: Any = (
+        FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _DistributedFunction) else fn
+    )
     config = AgentConfig(
         num_processes=num_processes,
         num_nodes=launch_options.num_nodes,

@@ -6,7 +6,7 @@ import builtins
 import contextlib
 import random
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import wrapt
@@ -94,7 +94,7 @@ def wait_for_everyone() -> None:
         dist.barrier(**(st.hardware.barrier_kwargs(st.device) if st.hardware else {}))
 
 
-def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - the name users know
+def print(*args: Any, **kwargs: Any) -> None:
     """``print`` on the main process only.
 
     Example:
@@ -107,11 +107,10 @@ def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - the name users kno
 
 
 def _only_when(decide: Callable[[ProcessState], bool]) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
-    @wrapt.decorator  # type: ignore[misc]
     def wrapper(wrapped: Callable[..., R], instance: Any, args: Any, kwargs: Any) -> R | None:
         return wrapped(*args, **kwargs) if decide(_state.get()) else None
 
-    return wrapper  # type: ignore[no-any-return]
+    return cast("Callable[[Callable[P, R]], Callable[P, R | None]]", wrapt.decorator(wrapper))  # type: ignore[arg-type]
 
 
 @overload

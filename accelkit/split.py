@@ -42,7 +42,7 @@ def shard(inputs: T, rank: int, world_size: int, apply_padding: bool = False) ->
                 f"accelkit.split_between_processes: the dict's values have different lengths "
                 f"{lengths}; give every value the same length"
             )
-        return type(inputs)({k: shard(v, rank, world_size, apply_padding) for k, v in inputs.items()})  # type: ignore[call-arg, return-value]
+        return type(inputs)({k: shard(v, rank, world_size, apply_padding) for k, v in inputs.items()})  # type: ignore[call-arg]
     total = _length(inputs)
     base, extra = divmod(total, world_size)
     start = rank * base + min(rank, extra)
@@ -65,7 +65,9 @@ def shard(inputs: T, rank: int, world_size: int, apply_padding: bool = False) ->
 def _length(value: object) -> int:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
-            raise ValueError("accelkit.split_between_processes cannot split a 0-d tensor; pass a tensor with a first dimension")
+            raise ValueError(
+                "accelkit.split_between_processes cannot split a 0-d tensor; pass a tensor with a first dimension"
+            )
         return value.shape[0]
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return len(value)

@@ -141,7 +141,7 @@ def test_launch_needs_a_callable() -> None:
 
 
 def test_lambda_under_spawn_is_refused_before_starting() -> None:
-    with pytest.raises(ValueError, match="lambda.*module level.*start_method='fork'"):
+    with pytest.raises(ValueError, match=r"lambda.*module level.*start_method='fork'"):
         ak.launch(lambda: 1, num_processes=2, cpu=True, start_method="spawn")
 
 
@@ -161,7 +161,7 @@ def test_unknown_option_is_named() -> None:
     ],
 )
 def test_bad_launch_options(options: dict[str, object], fragment: str) -> None:
-    with pytest.raises(ak.ConfigurationError, match="expected|needs") as err:
+    with pytest.raises(ak.ConfigurationError, match=r"expected|needs") as err:
         ak.distributed(**options)  # type: ignore[call-overload]
     assert fragment in str(err.value)
 

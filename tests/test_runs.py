@@ -131,7 +131,10 @@ def test_import_initialises_nothing_and_stays_light() -> None:
 
 
 def test_cli_help_does_not_import_torch() -> None:
-    probe = "import sys; from accelkit.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    probe = (
+        "import sys\nfrom accelkit.cli import main\n"
+        "try: main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "accelkit" in done.stdout and done.stdout.strip().endswith("False")

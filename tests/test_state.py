@@ -159,7 +159,7 @@ def test_unsupported_accelerator_says_what_is_missing(tmp_path: object, monkeypa
     os.makedirs(fake)
     open(os.path.join(fake, "__init__.py"), "w").close()
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ak.ConfigurationError, match="xla.*not wired up.*cpu=True"):
+    with pytest.raises(ak.ConfigurationError, match=r"xla.*not wired up.*cpu=True"):
         ak.state()
     assert ak.init(cpu=True).device == torch.device("cpu")
     assert "torch_xla" not in sys.modules

@@ -5,7 +5,7 @@ Call sites ask the chosen backend; they never branch on the kind of hardware.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +26,7 @@ class Backend(Protocol):
         """The device local rank ``local_rank`` uses; makes it current where that applies."""
         ...
 
-    def barrier_kwargs(self, device: torch.device) -> dict[str, object]: ...
+    def barrier_kwargs(self, device: torch.device) -> dict[str, Any]: ...
 
     def empty_cache(self) -> None: ...
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -13,7 +15,7 @@ class CPUBackend:
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
 
-    def barrier_kwargs(self, device: torch.device) -> dict[str, object]:
+    def barrier_kwargs(self, device: torch.device) -> dict[str, Any]:
         return {}
 
     def empty_cache(self) -> None:

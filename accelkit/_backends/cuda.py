@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..errors import ConfigurationError
@@ -23,9 +25,9 @@ class CUDABackend:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
 
-    def barrier_kwargs(self, device: torch.device) -> dict[str, object]:
+    def barrier_kwargs(self, device: torch.device) -> dict[str, Any]:
         return {"device_ids": [device.index]}
 
     def empty_cache(self) -> None:
-        if torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()

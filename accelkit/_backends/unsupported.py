@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ class _Unsupported:
             f"Pass cpu=True (or set ACCELKIT_CPU=1) to run on the CPU meanwhile."
         )
 
-    def barrier_kwargs(self, device: torch.device) -> dict[str, object]:
+    def barrier_kwargs(self, device: torch.device) -> dict[str, Any]:
         return {}
 
     def empty_cache(self) -> None:

@@ -15,13 +15,13 @@ if st.distributed:
     dist.all_reduce(total)
 report = json.dumps(
     {
-            "rank": st.rank,
-            "world_size": st.world_size,
-            "local_rank": st.local_rank,
-            "local_world_size": st.local_world_size,
-            "node_rank": st.node_rank,
-            "num_nodes": st.num_nodes,
-            "launcher": st.launcher,
+        "rank": st.rank,
+        "world_size": st.world_size,
+        "local_rank": st.local_rank,
+        "local_world_size": st.local_world_size,
+        "node_rank": st.node_rank,
+        "num_nodes": st.num_nodes,
+        "launcher": st.launcher,
         "sum": int(total.item()),
     }
 )
