@@ -169,3 +169,12 @@ def test_bad_launch_options(options: dict[str, object], fragment: str) -> None:
 def test_decorating_a_non_function_is_an_error() -> None:
     with pytest.raises(TypeError, match="expects a function or num_processes"):
         ak.distributed("train")  # type: ignore[call-overload]
+
+
+def test_fork_start_method_runs_local_functions() -> None:
+    offset = 5
+
+    def local() -> int:  # a closure: only fork can run it
+        return ak.rank() + offset + ak.world_size()
+
+    assert ak.launch(local, num_processes=2, cpu=True, start_method="fork") == 7
