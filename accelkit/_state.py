@@ -10,6 +10,7 @@ import atexit
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -60,8 +61,34 @@ class ProcessState:
         return self.local_rank == 0
 
 
+@dataclass
+class TrainingState:
+    """The mutable side of training in this process; reset with the process state.
+
+    - ``micro_step``: micro-steps seen inside ``ak.accumulate`` since the last reset.
+    - ``sync_gradients``: whether the current step synchronises gradients and really
+      steps the optimizer (False on accumulation micro-steps).
+    - ``active_loaders``: prepared dataloaders being iterated, innermost last; each entry
+      knows whether it is on its last batch and how many samples it padded there.
+    - ``accumulation_steps``: the steps of the innermost ``ak.accumulate`` (1 outside).
+    - ``scaler``: the fp16 ``GradScaler``, created when an optimizer is prepared under fp16.
+    - ``optimizers``: the prepared optimizers; ``unscaled``: whether their gradients were
+      already unscaled this step (``clip_grad_norm_`` unscales once per step). Weak: an
+      optimizer the user dropped no longer takes part.
+    """
+
+    micro_step: int = 0
+    sync_gradients: bool = True
+    active_loaders: list[Any] = field(default_factory=list)
+    accumulation_steps: int = 1
+    scaler: Any = None
+    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    unscaled: bool = False
+
+
 _lock = threading.RLock()
 _state: ProcessState | None = None
+training = TrainingState()
 _origin = ""  # where the state was created, for error messages
 _owns_group = False  # whether accelkit created the process group (and so destroys it)
 _exit_hook_registered = False
@@ -125,18 +152,20 @@ def reset_state() -> None:
 
     A group the user created before accelkit adopted it is left to the user.
     """
-    global _state, _owns_group, breakpoint_requested
+    global _state, _owns_group, breakpoint_requested, training
     with _lock:
         if _current() is not None and _owns_group:
             _destroy_group()
         _state, _owns_group, breakpoint_requested = None, False, False
+        training = TrainingState()
 
 
 def _current() -> ProcessState | None:
-    global _state, _owns_group
+    global _state, _owns_group, training
     if _state is not None and _state.pid != os.getpid():
         # Forked child: the parent's group and device are not ours to use or destroy.
         _state, _owns_group = None, False
+        training = TrainingState()
     return _state
 
 

@@ -205,6 +205,7 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
             if item is None:
                 break
             task, fn, args, kwargs = item
+            _state.training = _state.TrainingState()  # each task starts training afresh
             try:
                 answer = pickle.dumps((task, True, fn(*args, **kwargs)))
             except BaseException as exc:

@@ -46,6 +46,8 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 _pools: list[WorkerPool] = []
+# pytest's own, and one torch sets for itself the first time it loads its compiler stack.
+_NOT_OURS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +64,7 @@ def hygiene() -> Iterator[None]:
         problems.append("a process group is still initialised")
         dist.destroy_process_group()
     changed = {k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)}
-    changed.discard("PYTEST_CURRENT_TEST")
+    changed -= _NOT_OURS
     if changed:
         problems.append(f"environment variables changed: {sorted(changed)}")
         os.environ.clear()

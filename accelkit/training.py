@@ -1,0 +1,168 @@
+"""The training step: ``backward``, ``accumulate``, ``no_sync``, gradient clipping, ``unwrap``."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _state
+
+__all__ = [
+    "accumulate",
+    "backward",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "no_sync",
+    "sync_gradients",
+    "unwrap",
+]
+
+
+def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+    """``loss.backward(**kwargs)``, scaled for fp16 and divided by the accumulation steps.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> ak.backward((w * 3).sum())
+        >>> w.grad
+        tensor([3., 3.])
+    """
+    training = _state.training
+    if training.accumulation_steps > 1:
+        loss = loss / training.accumulation_steps
+    if training.scaler is not None:
+        loss = training.scaler.scale(loss)
+    loss.backward(**kwargs)
+
+
+@contextlib.contextmanager
+def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
+    """One micro-step of gradient accumulation over ``steps`` micro-steps.
+
+    Gradients are synchronised across processes (and the prepared optimizer and scheduler
+    really step) only on every ``steps``-th call and on the last batch of a prepared
+    dataloader. ``steps`` defaults to the configured ``gradient_accumulation_steps``.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> with ak.accumulate(model, steps=2):
+        ...     ak.sync_gradients()
+        False
+    """
+    if steps is None:
+        steps = _state.get().options.gradient_accumulation_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
+    training = _state.training
+    training.micro_step += 1
+    loaders = training.active_loaders
+    at_end = bool(loaders) and loaders[-1].at_last_batch
+    training.sync_gradients = training.micro_step % steps == 0 or at_end
+    if at_end:
+        training.micro_step = 0  # the next epoch starts a fresh cycle
+    outer = training.accumulation_steps
+    training.accumulation_steps = steps
+    try:
+        with contextlib.ExitStack() as stack:
+            if not training.sync_gradients:
+                for model in models:
+                    stack.enter_context(no_sync(model))
+            yield
+    finally:
+        training.accumulation_steps = outer
+
+
+def sync_gradients() -> bool:
+    """Whether this step synchronises gradients (False on accumulation micro-steps)."""
+    return _state.training.sync_gradients
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Skip the gradient all-reduce in the body (DDP's ``no_sync``); a no-op on one process.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> with ak.no_sync(torch.nn.Linear(2, 1)):
+        ...     pass
+    """
+    sync_off = getattr(model, "no_sync", None)
+    return sync_off() if callable(sync_off) else contextlib.nullcontext()
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip the gradients' total norm to ``max_norm``; return the total norm before clipping.
+
+    fp16 gradients are unscaled first, once per step. On accumulation micro-steps the
+    gradients are incomplete: nothing is clipped, the current total norm is returned.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> w = torch.nn.Parameter(torch.ones(4)); w.grad = torch.full((4,), 2.0)
+        >>> ak.clip_grad_norm_([w], 1.0)
+        tensor(4.)
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    training = _state.training
+    if not training.sync_gradients:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        return norm / training.scaler.get_scale() if training.scaler is not None else norm
+    _unscale_once()
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+
+def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
+    """Clamp every gradient to ``[-clip_value, clip_value]`` (fp16 gradients unscaled first).
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.tensor([5.0, -5.0])
+        >>> ak.clip_grad_value_([w], 1.0); w.grad
+        tensor([ 1., -1.])
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if _state.training.sync_gradients:
+        _unscale_once()
+    torch.nn.utils.clip_grad_value_(params, clip_value)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module without DDP / FSDP / ``torch.compile`` wrappers.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> net = torch.nn.Linear(2, 1)
+        >>> ak.unwrap(ak.prepare(net)) is net
+        True
+    """
+    wrappers = _wrapper_types()
+    while isinstance(model, wrappers):
+        model = getattr(model, "_orig_mod", None) or model.module
+    return model
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    found: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
+    # Only look for the wrappers of modules already imported: importing them is slow.
+    for module, name in (("torch._dynamo.eval_frame", "OptimizedModule"), ("torch.distributed.fsdp", "FullyShardedDataParallel")):
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
+def _unscale_once() -> None:
+    training = _state.training
+    if training.scaler is None or training.unscaled:
+        return
+    for opt in training.optimizers:
+        training.scaler.unscale_(opt.optimizer)
+    training.unscaled = True

@@ -1,0 +1,202 @@
+"""prepare, backward, precision, accumulation, clipping: on one process and on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import accelkit as ak
+from accelkit.testing import WorkerPool
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def grads_per_micro_step(steps: int) -> list[tuple[bool, list[float]]]:
+    """Each rank feeds different data; returns (sync flag, flat grads) after each micro-step."""
+    model = ak.prepare(make_model())
+    torch.manual_seed(100 + ak.rank())
+    seen = []
+    for _ in range(steps):
+        with ak.accumulate(model, steps=steps):
+            ak.backward(model(torch.randn(3, 4)).pow(2).mean())
+            grads = torch.cat([p.grad.flatten() for p in ak.unwrap(model).parameters()])
+            seen.append((ak.sync_gradients(), grads.tolist()))
+    return seen
+
+
+def test_gradients_sync_only_on_the_boundary(pool: WorkerPool) -> None:
+    zero, one = pool.run(grads_per_micro_step, 3)
+    assert [s for s, _ in zero] == [False, False, True]
+    for (_, g0), (_, g1) in zip(zero[:2], one[:2], strict=True):
+        assert g0 != g1, "micro-steps must not all-reduce"
+    assert zero[2][1] == pytest.approx(one[2][1], abs=1e-6), "the boundary step all-reduces"
+
+
+def ddp_options(find_unused: bool) -> str:
+    class WithUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(2, 1), nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = ak.prepare(WithUnused(), find_unused_parameters=find_unused)
+    ak.backward(model(torch.ones(1, 2)).sum())
+    return type(model).__name__
+
+
+def test_ddp_options_pass_through(pool: WorkerPool) -> None:
+    assert pool.run(ddp_options, True) == ["DistributedDataParallel"] * 2
+
+
+def test_prepare_returns_objects_in_order() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    p_model, p_opt, p_sched = ak.prepare(model, opt, sched)
+    assert p_model is model  # one process: no wrapper
+    assert isinstance(p_opt, torch.optim.Optimizer) and p_opt.optimizer is opt
+    assert p_sched.scheduler is sched
+    assert ak.prepare(model) is model  # one object in, that object out
+    assert ak.prepare(p_opt) is p_opt and ak.prepare(p_sched) is p_sched  # twice is harmless
+
+
+def test_prepare_rejects_what_it_cannot_prepare() -> None:
+    with pytest.raises(TypeError, match=r"cannot prepare builtins\.dict"):
+        ak.prepare({"lr": 0.1})
+    with pytest.raises(TypeError, match="unexpected option 'find_unused'"):
+        ak.prepare(make_model(), find_unused=True)
+    with pytest.raises(TypeError, match="at least one object"):
+        ak.prepare()
+
+
+def test_optimizer_and_scheduler_skip_micro_steps() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = ak.prepare(model, opt, sched)
+    before = [p.detach().clone() for p in model.parameters()]
+    lrs = []
+    for _ in range(4):
+        with ak.accumulate(model, steps=2):
+            ak.backward(model(torch.ones(2, 4)).sum())
+            changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.append((ak.sync_gradients(), changed, sched.get_last_lr()[0]))
+        before = [p.detach().clone() for p in model.parameters()]
+    assert [(s, lr) for s, _, lr in lrs] == [(False, 1.0), (True, 0.5), (False, 0.5), (True, 0.25)]
+
+
+def test_backward_divides_by_the_accumulation_steps() -> None:
+    w = nn.Parameter(torch.ones(1))
+    with ak.accumulate(steps=4):
+        ak.backward(w * 8)
+    assert w.grad.item() == 2.0
+    ak.backward(w * 8)  # outside accumulate: no division
+    assert w.grad.item() == 10.0
+
+
+def fp16_setup() -> tuple[nn.Module, Any, Any]:
+    ak.init(precision="fp16")
+    model = nn.Sequential(nn.Linear(2, 1, bias=False))
+    nn.init.ones_(model[0].weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    return ak.prepare(model, opt, sched)
+
+
+def test_fp16_on_cpu_scales_the_loss_and_steps_unscaled() -> None:
+    model, opt, sched = fp16_setup()
+    ak.backward(model(torch.ones(1, 2)).sum() / 4)
+    scale = 2.0**16  # GradScaler's initial scale
+    assert model[0].weight.grad.tolist() == [[scale / 4, scale / 4]]
+    opt.step()
+    sched.step()
+    assert not opt.step_was_skipped
+    assert model[0].weight.tolist() == [[0.875, 0.875]]  # 1 - lr * 1/4: the gradient was unscaled
+    assert sched.get_last_lr() == [pytest.approx(0.05)]
+
+
+def test_fp16_overflow_skips_the_step_and_the_scheduler() -> None:
+    model, opt, sched = fp16_setup()
+    ak.backward(model(torch.full((1, 2), math.inf)).sum())
+    opt.step()
+    sched.step()
+    assert opt.step_was_skipped
+    assert model[0].weight.tolist() == [[1.0, 1.0]]
+    assert sched.get_last_lr() == [0.5]
+
+
+def test_fp16_forward_runs_in_half_and_returns_fp32() -> None:
+    model, _, _ = fp16_setup()
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    out = model(torch.ones(1, 2))
+    assert seen == [torch.float16] and out.dtype == torch.float32
+
+
+def test_clip_grad_norm_unscales_once_per_step() -> None:
+    model, opt, _ = fp16_setup()
+    ak.backward(model(torch.ones(1, 2)).sum() / 4)  # true gradient [1/4, 1/4]
+    norm = ak.clip_grad_norm_(model.parameters(), max_norm=0.25)
+    assert norm.item() == pytest.approx(math.sqrt(2) / 4)
+    again = ak.clip_grad_norm_(model.parameters(), max_norm=0.25)
+    assert again.item() == pytest.approx(0.25, rel=1e-3)  # not unscaled a second time
+    opt.step()
+    assert model[0].weight.tolist()[0] == pytest.approx([1 - 0.5 * 0.25 / math.sqrt(2)] * 2, rel=1e-3)
+
+
+def test_clip_grad_value() -> None:
+    w = nn.Parameter(torch.zeros(3))
+    w.grad = torch.tensor([-3.0, 0.5, 3.0])
+    ak.clip_grad_value_(w, 1.0)
+    assert w.grad.tolist() == [-1.0, 0.5, 1.0]
+
+
+def test_bf16_region_and_nesting() -> None:
+    a = torch.ones(2, 2)
+    with ak.precision("bf16"):
+        assert (a @ a).dtype == torch.bfloat16
+        with ak.precision("no"):
+            assert (a @ a).dtype == torch.float32
+    assert (a @ a).dtype == torch.float32
+
+
+def test_default_precision_comes_from_the_state() -> None:
+    ak.init(precision="bf16")
+    with ak.precision():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_unknown_precision_lists_the_valid_modes() -> None:
+    with pytest.raises(ValueError, match="'fp64'.*no, fp16, bf16, fp8"):
+        with ak.precision("fp64"):
+            pass
+    with pytest.raises(ValueError, match="fp8.*compute capability"):
+        with ak.precision("fp8"):
+            pass
+
+
+def test_accumulate_rejects_bad_steps() -> None:
+    with pytest.raises(ValueError, match="steps=0"):
+        with ak.accumulate(steps=0):
+            pass
+
+
+def unwrapped_is_original() -> bool:
+    model = make_model()
+    return ak.unwrap(ak.prepare(model)) is model
+
+
+def test_unwrap_strips_ddp(pool: WorkerPool) -> None:
+    assert pool.run(unwrapped_is_original) == [True, True]
