@@ -87,8 +87,9 @@ class PreparedScheduler:
         training = _state.training
         if not training.sync_gradients:
             return
+        target = self.scheduler.optimizer  # the user's optimizer or its prepared wrapper
         for opt in training.optimizers:
-            if opt.optimizer is self.scheduler.optimizer and opt.step_was_skipped:
+            if (opt is target or opt.optimizer is target) and opt.step_was_skipped:
                 return
         self.scheduler.step(*args, **kwargs)
 

@@ -200,3 +200,17 @@ def unwrapped_is_original() -> bool:
 
 def test_unwrap_strips_ddp(pool: WorkerPool) -> None:
     assert pool.run(unwrapped_is_original) == [True, True]
+
+
+def test_a_scheduler_built_on_the_prepared_optimizer_skips_with_it() -> None:
+    model, opt, _ = fp16_setup()
+    sched = ak.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1))
+    ak.backward(model(torch.full((1, 2), math.inf)).sum())
+    opt.step()
+    sched.step()
+    assert opt.step_was_skipped and sched.get_last_lr() == [0.5]
+    opt.zero_grad()
+    ak.backward(model(torch.ones(1, 2)).sum() / 4)
+    opt.step()
+    sched.step()
+    assert not opt.step_was_skipped and sched.get_last_lr() == [pytest.approx(0.05)]
