@@ -1,0 +1,139 @@
+"""Debug mode: before each collective the ranks compare what they are about to do.
+
+Each rank describes its call (the operation, the arguments that must agree, and the
+structure, dtypes and shapes of its input, or the error its input raised) and the
+descriptions are exchanged in one small all-gather. Every rank then reaches the same
+verdict from the same descriptions, so on a mismatch every rank raises
+:class:`~accelkit.DistributedOperationError` with the same per-process table, instead
+of hanging, aborting in the backend, or silently mixing up bytes.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+from . import _exchange, _tree
+from ._state import ProcessState
+from .errors import DistributedOperationError
+
+__all__ = ["check"]
+
+_RULES = {
+    "gather": "every process must pass the same structure, dtypes and shapes; to gather tensors whose "
+    "first dimension differs, pad them with accelkit.pad_across_processes(data) first, or use "
+    "accelkit.gather_object",
+    "pad_across_processes": "every process must pass the same structure and dtypes, with shapes that "
+    "differ only along the padded dimension",
+}
+
+
+def check(
+    st: ProcessState,
+    op: str,
+    params: dict[str, Any],
+    leaves: list[torch.Tensor] | None = None,
+    spec: _tree.TreeSpec | None = None,
+    free_dim: int | None = None,
+    problem: BaseException | None = None,
+) -> None:
+    """Exchange this rank's description of the call; raise if the ranks disagree.
+
+    Every rank must call it. With ``problem`` (this rank's input was invalid) it
+    returns after the exchange so that the caller raises its own error, while the
+    other ranks raise a :class:`DistributedOperationError` that quotes it.
+    """
+    mine = _describe(op, params, leaves, spec, free_dim, problem)
+    blobs = _exchange.gather_bytes(pickle.dumps(mine), st.device, st.world_size)
+    everyone: list[dict[str, Any]] = [_exchange.loads(b) for b in blobs]
+    if problem is not None:
+        return
+    message = _verdict(op, everyone, spec)
+    if message:
+        raise DistributedOperationError(message)
+
+
+def _describe(
+    op: str,
+    params: dict[str, Any],
+    leaves: list[torch.Tensor] | None,
+    spec: _tree.TreeSpec | None,
+    free_dim: int | None,
+    problem: BaseException | None,
+) -> dict[str, Any]:
+    args = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    if problem is not None or leaves is None or spec is None:
+        error = f"{type(problem).__name__}: {problem}" if problem is not None else None
+        return {"op": op, "args": args, "structure": None, "key": (), "text": "", "error": error}
+    texts = [_leaf_text(x) for x in leaves]
+    key = []
+    for x in leaves:
+        shape: list[int | None] = list(x.shape)
+        if free_dim is not None and x.dim():
+            shape[free_dim % x.dim()] = None  # free to differ across processes
+        key.append((str(x.dtype), tuple(shape)))
+    structure = _tree.describe(spec, ["*"] * len(leaves))
+    return {"op": op, "args": args, "structure": structure, "key": tuple(key), "text": _tree.describe(spec, texts),
+            "leaf_texts": texts, "error": None}  # fmt: skip
+
+
+def _leaf_text(x: torch.Tensor) -> str:
+    return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+
+
+def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None) -> str:
+    head = f"Cannot apply accelkit.{op}"
+    if len({d["op"] for d in everyone}) > 1:
+        return _table(
+            f"{head}: the processes called different operations.",
+            [f"accelkit.{d['op']}({d['args']}) {d['text']}".rstrip() for d in everyone],
+            "every process must call the same collectives in the same order",
+        )
+    failed = [r for r, d in enumerate(everyone) if d["error"]]
+    if failed:
+        names = ", ".join(map(str, failed))
+        return _table(
+            f"{head}: process {names} could not apply it to its input.",
+            [d["error"] or d["text"] for d in everyone],
+            f"make the input of process {names} valid; every process must pass valid, matching inputs",
+        )
+    if len({d["args"] for d in everyone}) > 1:
+        return _table(
+            f"{head}: the processes passed different arguments.",
+            [f"{d['args']} {d['text']}" for d in everyone],
+            "every process must pass the same arguments",
+        )
+    if len({(d["structure"], d["key"]) for d in everyone}) > 1:
+        return _table(
+            f"{head}: the inputs differ across processes.",
+            [d["text"] for d in everyone],
+            _RULES.get(op, "every process must pass the same structure, dtypes and shapes") + _args(everyone[0]),
+            _first_difference(everyone, spec),
+        )
+    return ""
+
+
+def _first_difference(everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None) -> str:
+    base = everyone[0]
+    for rank, d in enumerate(everyone[1:], start=1):
+        if d["structure"] != base["structure"]:
+            return f"The structure differs: {base['structure']} on process 0, {d['structure']} on process {rank}."
+        for i, (a, b) in enumerate(zip(base["key"], d["key"], strict=False)):
+            if a != b and spec is not None and spec.kind != "leaf":
+                path, first, other = _tree.leaf_paths(spec)[i], base["leaf_texts"][i], d["leaf_texts"][i]
+                return f"First difference: {path} is {first} on process 0, {other} on process {rank}."
+    return ""
+
+
+def _args(description: dict[str, Any]) -> str:
+    return f" ({description['args']})" if description["args"] else ""
+
+
+def _table(headline: str, rows: list[str], rule: str, extra: str = "") -> str:
+    lines = [headline, *(f"  - Process {rank}: {row}" for rank, row in enumerate(rows))]
+    if extra:
+        lines.append(extra)
+    lines.append(f"Fix: {rule[0].upper()}{rule[1:]}.")
+    return "\n".join(lines)

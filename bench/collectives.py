@@ -1,0 +1,188 @@
+"""Collectives: µs per call of accelkit's gather / reduce / broadcast / pad_across_processes
+against the same job done with raw torch.distributed, on 2 gloo CPU processes.
+
+Each case times accelkit and the reference in interleaved blocks (the order alternates
+from block to block) in the same two processes, and reports the median of the paired
+ratios. ``raw vs raw`` rows time the reference against itself: their spread is the noise.
+
+The references do what accelkit promises (new tensors, inputs untouched) the way one
+would write it by hand: gather = ``all_gather_into_tensor`` into a new tensor; reduce =
+``clone`` + ``all_reduce``; broadcast = ``clone`` on the source, ``empty_like`` elsewhere, +
+``broadcast``; pad = ``all_gather`` of the sizes + ``new_zeros`` + copy; trees one call per leaf.
+
+``added CPU`` rows isolate what accelkit adds per call from the network's noise: the same
+pairs on torch's in-process fake process group (collectives that do nothing), in a child
+process; their ``diff`` is the µs accelkit spends around each torch.distributed call.
+
+Run ``python bench/collectives.py [--quick]`` or through ``bench/run.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import Row, child_env, paired_row, run_child
+
+TARGET_RATIO = 1.05
+SIZES = {"1e3": 1_000, "1e5": 100_000, "1e6": 1_000_000}
+OPS = ("gather", "reduce", "broadcast", "pad_across_processes")
+_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _raw_gather(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]) if x.dim() else (dist.get_world_size(),))
+    _single(out, x.reshape(-1) if x.dim() == 0 else x)
+    return out
+
+
+def _raw_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out, dist.ReduceOp.SUM)
+    return out
+
+
+def _raw_broadcast(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone() if dist.get_rank() == 0 else torch.empty_like(x)
+    dist.broadcast(out, 0)
+    return out
+
+
+def _raw_pad(x: torch.Tensor) -> torch.Tensor:
+    size = torch.tensor([x.shape[0]])
+    sizes = size.new_empty(dist.get_world_size())
+    _single(sizes, size)
+    out = x.new_zeros((int(sizes.max()), *x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out
+
+
+RAW = {"gather": _raw_gather, "reduce": _raw_reduce, "broadcast": _raw_broadcast, "pad_across_processes": _raw_pad}
+
+
+Case = tuple[str, Callable[[], Any], Callable[[], Any]]
+
+
+def _bind(fn: Callable[[Any], Any], data: Any) -> Callable[[], Any]:
+    return lambda: fn(data)
+
+
+def _per_leaf(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], Any]:
+    return lambda tree: {k: fn(v) for k, v in tree.items()}
+
+
+def _cases(rank: int) -> list[Case]:
+    import accelkit as ak
+
+    ours: dict[str, Callable[[Any], Any]] = {
+        "gather": ak.gather,
+        "reduce": lambda d: ak.reduce(d, op="sum"),
+        "broadcast": ak.broadcast,
+        "pad_across_processes": ak.pad_across_processes,
+    }
+    cases: list[Case] = []
+    for op in OPS:
+        for label, n in SIZES.items():
+            # pad: ranks hold different lengths, so that padding really happens
+            x = torch.randn(n - rank if op == "pad_across_processes" else n)
+            cases.append((f"{op} {label} floats", _bind(ours[op], x), _bind(RAW[op], x)))
+        if op == "pad_across_processes":
+            tree = {"logits": torch.randn(8 - rank, 10), "labels": torch.arange(8 - rank)}
+        else:
+            tree = {"loss": torch.tensor(0.5), "logits": torch.randn(8, 10), "labels": torch.arange(8)}
+        name = f"{op} dict of {len(tree)} tensors"
+        cases.append((name, _bind(ours[op], tree), _bind(_per_leaf(RAW[op]), tree)))
+    for label in ("1e3", "1e6"):
+        x = torch.randn(SIZES[label])
+        cases.append((f"raw vs raw: gather {label} floats", _bind(_raw_gather, x), _bind(_raw_gather, x)))
+    return cases
+
+
+def _measure(quick: bool) -> list[tuple[str, list[float], list[float]]]:
+    """In each worker: (name, accelkit µs per call, reference µs per call) per block."""
+    import accelkit as ak
+
+    rounds = 10 if quick else 200  # short paired blocks, many of them: the median ratio is stable
+    results = []
+    for name, ours, ref in _cases(ak.rank()):
+        n_rounds, n_calls = (max(4, rounds // 5), 1) if "1e6" in name else (rounds, 2)
+        for fn in (ours, ref, ours, ref):  # warm-up
+            fn()
+        samples: dict[int, list[float]] = {0: [], 1: []}
+        for r in range(n_rounds):
+            for which in (0, 1) if r % 2 == 0 else (1, 0):
+                fn = ours if which == 0 else ref
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(n_calls):
+                    fn()
+                samples[which].append((time.perf_counter() - start) / n_calls * 1e6)
+        results.append((name, samples[0], samples[1]))
+    return results
+
+
+def _added_cpu(quick: bool) -> list[tuple[str, list[float], list[float]]]:
+    """In a child process: the cases on a fake 2-process group (no communication at all)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        results = []
+        for name, ours, ref in _cases(0):
+            if "1e3" not in name and "dict" not in name:
+                continue  # the added time does not depend on the size
+            samples: dict[int, list[float]] = {0: [], 1: []}
+            for r in range(20 if quick else 200):
+                for which in (0, 1) if r % 2 == 0 else (1, 0):
+                    fn = ours if which == 0 else ref
+                    start = time.perf_counter()
+                    for _ in range(20):
+                        fn()
+                    samples[which].append((time.perf_counter() - start) / 20 * 1e6)
+            results.append((name, samples[0], samples[1]))
+        return results
+    finally:
+        import accelkit as ak
+
+        ak.reset_state()
+        dist.destroy_process_group()
+
+
+def run(quick: bool) -> list[Row]:
+    from accelkit.testing import WorkerPool
+
+    with WorkerPool(2, timeout=900.0, debug=False) as pool:
+        per_rank = pool.run(_measure, quick)
+    rows = []
+    for name, ours, ref in per_rank[0]:  # rank 0's clock
+        target = (TARGET_RATIO - 1) * statistics.median(ref)
+        rows.append(paired_row(f"{name} (2 gloo procs)", ours, ref, target=target, unit="us"))
+    args = [sys.executable, __file__, "--added-cpu"] + (["--quick"] if quick else [])
+    _, out = run_child(args, child_env(ACCELKIT_CPU="1"), timeout=600)
+    for name, ours, ref in json.loads(out.strip().splitlines()[-1]):
+        rows.append(paired_row(f"added CPU: {name} (fake group)", ours, ref, unit="us"))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    if "--added-cpu" in argv:
+        print(json.dumps(_added_cpu("--quick" in argv)))
+        return
+    rows = run("--quick" in argv)
+    print(f"{'case':52} {'accelkit':>10} {'raw':>10} {'diff':>9} {'ratio':>7}")
+    for row in rows:
+        flag = "" if row["ok"] is None else "  ok" if row["ratio"] <= TARGET_RATIO else "  OVER"
+        print(
+            f"{row['name']:52} {row['accelkit']:8.1f}us {row['reference']:8.1f}us "
+            f"{row['diff']:+7.1f}us {row['ratio']:6.3f}x{flag}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
