@@ -91,6 +91,7 @@ def wait_for_everyone() -> None:
     if st.distributed:
         import torch.distributed as dist
 
+        _check_agreement(st, "wait_for_everyone")
         dist.barrier(**(st.hardware.barrier_kwargs(st.device) if st.hardware else {}))
 
 
@@ -256,6 +257,15 @@ def check_breakpoint() -> bool:
         return flag
     import torch.distributed as dist
 
+    _check_agreement(st, "check_breakpoint")
     shared = torch.tensor([int(flag)], device=st.device)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     return bool(shared.item())
+
+
+def _check_agreement(st: ProcessState, op: str) -> None:
+    """In debug mode, make sure every rank is in this same call before entering it."""
+    if st.options.debug:
+        from .collectives import _compare
+
+        _compare(st, op, {})

@@ -203,3 +203,18 @@ def test_pool_survives_a_rank_that_dies(pool: WorkerPool) -> None:
         pool.run(os._exit, 3)
     assert "exited with code 3" in str(err.value)
     assert pool.run(ak.world_size) == [2, 2]
+
+
+def barrier_against_gather() -> None:
+    if ak.rank() == 0:
+        ak.wait_for_everyone()
+    else:
+        ak.gather(torch.ones(1))
+
+
+def test_debug_mode_names_a_barrier_met_by_another_collective(debug_pool: WorkerPool) -> None:
+    with pytest.raises(ak.WorkerError) as err:
+        debug_pool.run(barrier_against_gather)
+    assert sorted(err.value.ranks) == [0, 1]
+    for failure in err.value.failures:
+        assert "wait_for_everyone" in failure.message and "gather" in failure.message
