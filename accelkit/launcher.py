@@ -12,7 +12,6 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from . import _env, _state
-from ._agent import AgentConfig, FunctionRef, run_workers
 from ._options import Options, validate
 from .errors import ConfigurationError
 
@@ -176,6 +175,8 @@ def _call(
     if _state.is_initialized():
         # Workers build their own state; a live one here would be duplicated by fork.
         _state.reset_state()
+    from ._agent import AgentConfig, FunctionRef, run_workers  # only the launching process needs it
+
     target: Any = (
         FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _DistributedFunction) else fn
     )
