@@ -18,6 +18,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     from ._state import ProcessState, init, is_initialized, reset_state
     from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
+    from .data import gather_for_metrics, skip_first_batches
     from .errors import ConfigurationError, DistributedOperationError, StateError, WorkerError
     from .launcher import distributed, launch
     from .logging import get_logger
@@ -40,7 +41,10 @@ if TYPE_CHECKING:
         wait_for_everyone,
         world_size,
     )
+    from ._precision import precision
+    from ._prepare import prepare
     from .split import split_between_processes
+    from .training import accumulate, backward, clip_grad_norm_, clip_grad_value_, no_sync, sync_gradients, unwrap
 
 # public name -> the module that defines it
 _HOMES = {
@@ -57,9 +61,16 @@ _HOMES = {
         ".process",
     ),  # fmt: skip
     "split_between_processes": ".split",
+    "precision": "._precision",
+    "prepare": "._prepare",
+    **dict.fromkeys(
+        ["accumulate", "backward", "clip_grad_norm_", "clip_grad_value_", "no_sync", "sync_gradients", "unwrap"],
+        ".training",
+    ),
     **dict.fromkeys(
         ["broadcast", "broadcast_object", "gather", "gather_object", "pad_across_processes", "reduce"], ".collectives"
     ),
+    **dict.fromkeys(["gather_for_metrics", "skip_first_batches"], ".data"),
 }
 
 __all__ = [
@@ -69,12 +80,17 @@ __all__ = [
     "StateError",
     "WorkerError",
     "__version__",
+    "accumulate",
+    "backward",
     "broadcast",
     "broadcast_object",
     "check_breakpoint",
+    "clip_grad_norm_",
+    "clip_grad_value_",
     "device",
     "distributed",
     "gather",
+    "gather_for_metrics",
     "gather_object",
     "get_logger",
     "init",
@@ -85,18 +101,24 @@ __all__ = [
     "local_main_process_first",
     "local_rank",
     "main_process_first",
+    "no_sync",
     "on_local_main_process",
     "on_main_process",
     "on_process",
     "pad_across_processes",
+    "precision",
+    "prepare",
     "print",
     "rank",
     "reduce",
     "reset_state",
     "set_breakpoint",
     "set_seed",
+    "skip_first_batches",
     "split_between_processes",
     "state",
+    "sync_gradients",
+    "unwrap",
     "wait_for_everyone",
     "world_size",
 ]

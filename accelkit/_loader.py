@@ -1,0 +1,169 @@
+"""The prepared DataLoader: epochs, generators, device moves and the active-loader entries.
+
+While a prepared loader is iterated, an :class:`ActiveLoader` entry for it sits in
+``_state.training.active_loaders`` (innermost last): ``ak.accumulate`` reads its
+``at_last_batch``, ``ak.gather_for_metrics`` its ``padding``. The entry leaves when the
+iteration ends, raises, or is closed (a ``break`` drops the iterator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import _state
+from ._sampling import EpochRecord, ShardedBatchSampler, ShardedIterable
+
+__all__ = ["ActiveLoader", "Plan", "PreparedDataLoader"]
+
+_STATE_KEYS = ("epoch", "base_seed", "batches_yielded")
+_END: Any = object()
+
+
+class ActiveLoader:
+    """A prepared loader being iterated: whether it is at its last batch, and its padding.
+
+    ``padding`` counts the samples ``even_batches`` added to the last global batch (all
+    ranks together), ``global_size`` all samples of that global batch; ``ragged`` says
+    that batches may differ in size between ranks (uneven last batches, batch samplers).
+    """
+
+    __slots__ = ("at_last_batch", "global_size", "padding", "ragged")
+
+    def __init__(self, ragged: bool) -> None:
+        self.at_last_batch = False
+        self.padding = 0
+        self.global_size = 0
+        self.ragged = ragged
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a prepared loader shards, orders and moves its batches (fixed at prepare time)."""
+
+    shard: ShardedBatchSampler | ShardedIterable[Any]
+    order_generator: torch.Generator | None  # draws the epoch's order: the same on every rank
+    epoch_target: Any  # the user's sampler or dataset with set_epoch(), or None
+    rank: int
+    device: torch.device | None  # None: batches are already there (CPU)
+    non_blocking: bool
+    ragged: bool
+    lookahead: bool  # iterable dataset in DataLoader workers: find the last batch by reading ahead
+
+
+class PreparedDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` that yields this rank's shard of each epoch, on ``ak.device()``.
+
+    Made by ``ak.prepare(loader)``; ``len()`` is the number of batches per rank. Every new
+    iteration is a new epoch. ``state_dict()`` / ``load_state_dict()`` save and restore
+    ``{"epoch", "base_seed", "batches_yielded"}``, so that a resumed run continues the
+    interrupted epoch exactly.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> loader = ak.prepare(torch.utils.data.DataLoader(range(6), batch_size=4))
+        >>> [batch.tolist() for batch in loader]  # on rank 1 of 2: [[4, 5, 0, 1]]
+        [[0, 1, 2, 3], [4, 5]]
+    """
+
+    _accelkit_prepared = True
+
+    def __init__(self, dataset: Any, plan: Plan, base_seed: int, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self._plan = plan
+        self._base_seed = base_seed
+        self._epoch = 0  # the epoch the next iteration starts
+        self._skip = 0  # batches the next iteration skips
+        self._yielded = 0  # batches of the current epoch handed out (skipped ones included)
+        self._running = False  # an epoch started and did not run to its end
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        plan, epoch, skip = self._plan, self._epoch, self._skip
+        self._epoch, self._skip, self._yielded, self._running = epoch + 1, 0, skip, True
+        seed = self._base_seed + epoch
+        if plan.order_generator is not None:
+            plan.order_generator.manual_seed(seed % 2**64)
+        # DataLoader workers' seeds come from this one: its own stream, different on every rank.
+        self.generator.manual_seed((seed * 0x9E3779B97F4A7C15 + plan.rank) % 2**64)
+        if plan.epoch_target is not None:
+            plan.epoch_target.set_epoch(epoch)
+        record = plan.shard.record = EpochRecord()
+        if isinstance(plan.shard, ShardedBatchSampler):
+            plan.shard.skip = skip  # skipped indices are never loaded
+        batches: Iterator[Any] = super().__iter__()
+        if plan.lookahead:
+            batches = _mark_last(batches, record)
+        if isinstance(plan.shard, ShardedIterable) and skip:
+            batches = islice(batches, skip, None)  # a stream must be read to be skipped
+        return self._iterate(batches, record, skip)
+
+    def _iterate(self, batches: Iterator[Any], record: EpochRecord, n: int) -> Iterator[Any]:
+        plan = self._plan
+        entry = ActiveLoader(plan.ragged)
+        active = _state.training.active_loaders
+        active.append(entry)
+        try:
+            for batch in batches:
+                n += 1
+                if n == record.num_batches:
+                    entry.at_last_batch, entry.padding, entry.global_size = True, record.padding, record.global_size
+                self._yielded = n
+                yield batch if plan.device is None else _to_device(batch, plan.device, plan.non_blocking)
+            self._running = False
+        finally:  # also on an exception, and on close() / garbage collection after a break
+            for i in range(len(active) - 1, -1, -1):
+                if active[i] is entry:
+                    del active[i]
+                    break
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this loader stands in its epochs, for :meth:`load_state_dict`."""
+        if self._running:
+            return {"epoch": self._epoch - 1, "base_seed": self._base_seed, "batches_yielded": self._yielded}
+        return {"epoch": self._epoch, "base_seed": self._base_seed, "batches_yielded": self._skip}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue where ``state`` was taken: the next iteration resumes that epoch."""
+        bad = [k for k in _STATE_KEYS if isinstance(state.get(k), bool) or not isinstance(state.get(k), int)]
+        if bad:
+            raise ValueError(
+                f"PreparedDataLoader.load_state_dict: expected integers {', '.join(_STATE_KEYS)}, got {dict(state)!r}; "
+                f"pass what loader.state_dict() returned"
+            )
+        self._epoch, self._base_seed, self._skip = state["epoch"], state["base_seed"], state["batches_yielded"]
+        self._running = False
+
+
+def _mark_last(batches: Iterator[Any], record: EpochRecord) -> Iterator[Any]:
+    """``batches``, read one ahead so that ``record`` knows the last one before it is yielded."""
+    current, n = next(batches, _END), 0
+    while current is not _END:
+        following = next(batches, _END)
+        n += 1
+        if following is _END:
+            record.num_batches = n
+        yield current
+        current = following
+
+
+def _to_device(x: Any, device: torch.device, non_blocking: bool) -> Any:
+    """``x`` with every tensor in its dicts, lists and tuples moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=non_blocking)
+    if isinstance(x, Mapping):
+        moved = {k: _to_device(v, device, non_blocking) for k, v in x.items()}
+        cls: Any = type(x)
+        try:
+            return cls(moved)
+        except TypeError:  # e.g. a defaultdict, which wants its factory first
+            return moved
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_to_device(v, device, non_blocking) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device, non_blocking) for v in x)
+    return x
