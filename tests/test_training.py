@@ -214,3 +214,66 @@ def test_a_scheduler_built_on_the_prepared_optimizer_skips_with_it() -> None:
     opt.step()
     sched.step()
     assert not opt.step_was_skipped and sched.get_last_lr() == [pytest.approx(0.05)]
+
+
+def regression_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return torch.utils.data.TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1)
+
+
+def train_with_accelkit(batch_size: int, steps: int, shuffle: bool, epochs: int = 2) -> tuple[list[float], list[float]]:
+    """Returns the final parameters and the learning rate after every real optimizer step."""
+    ak.set_seed(7)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(regression_data(), batch_size=batch_size, shuffle=shuffle)
+    model, opt, loader = ak.prepare(model, opt, loader)
+    sched = ak.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
+    lrs = []
+    for _ in range(epochs):
+        for x, y in loader:
+            with ak.accumulate(model, steps=steps):
+                ak.backward(nn.functional.mse_loss(model(x).squeeze(1), y))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                if ak.sync_gradients():
+                    lrs.append(sched.get_last_lr()[0])
+    params = torch.cat([p.detach().flatten() for p in ak.unwrap(model).parameters()])
+    return params.tolist(), lrs
+
+
+def train_plain_pytorch(batch_size: int, epochs: int = 2) -> tuple[list[float], list[float]]:
+    """The independent reference: one process, no accelkit, sequential order."""
+    torch.manual_seed(7)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    lrs = []
+    for _ in range(epochs):
+        for x, y in torch.utils.data.DataLoader(regression_data(), batch_size=batch_size):
+            nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(), lrs
+
+
+@pytest.mark.parametrize(("steps", "reference_batch"), [(1, 16), (2, 32)])
+def test_two_processes_match_one_process_with_the_global_batch(
+    pool: WorkerPool, steps: int, reference_batch: int
+) -> None:
+    expected_params, expected_lrs = train_plain_pytorch(reference_batch)
+    for params, lrs in pool.run(train_with_accelkit, 8, steps, False):
+        assert params == pytest.approx(expected_params, abs=1e-5)
+        assert lrs == pytest.approx(expected_lrs)
+    assert len(expected_lrs) == 2 * 64 // reference_batch
+
+
+def test_shuffled_two_process_run_matches_the_one_process_run(pool: WorkerPool) -> None:
+    expected_params, _ = train_with_accelkit(16, 1, True)
+    zero, one = pool.run(train_with_accelkit, 8, 1, True)
+    assert zero[0] == pytest.approx(expected_params, abs=1e-5)
+    assert one[0] == zero[0]
