@@ -32,13 +32,14 @@ def run_distributed(
     kwargs: dict[str, Any] | None = None,
     *,
     num_processes: int = 2,
-    timeout: float = 120.0,
+    task_timeout: float = 120.0,
     max_restarts: int = 0,
     **options: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` CPU workers; each rank's result.
 
-    A worker that raises, dies or runs past ``timeout`` seconds stops the others and
+    ``options`` are state options (``precision``, ``debug``, ``timeout`` for collectives, ...).
+    A worker that raises, dies or runs past ``task_timeout`` seconds stops the others and
     raises :class:`~accelkit.WorkerError` with its traceback (for a timeout: where it was).
 
     Example:
@@ -49,7 +50,7 @@ def run_distributed(
     """
     state_options = _options.validate({"cpu": True, **options}, "accelkit.testing.run_distributed")
     config = AgentConfig(num_processes=num_processes, max_restarts=max_restarts, start_method="spawn")
-    results = run_workers(fn, tuple(args), dict(kwargs or {}), config, _env.option_env(state_options), timeout)
+    results = run_workers(fn, tuple(args), dict(kwargs or {}), config, _env.option_env(state_options), task_timeout)
     return [results[r] for r in sorted(results)]
 
 
@@ -57,8 +58,9 @@ class WorkerPool:
     """A long-lived group of ``num_processes`` gloo CPU workers that run tasks in turn.
 
     Each worker joins the process group once, with ``options`` (e.g. ``debug=True``),
-    then runs every task it is sent. A task that fails on every rank leaves the group
-    usable; one that leaves a rank stuck (or dead) restarts the group for the next task.
+    then runs every task it is sent, with fresh training state. A task that raises on
+    every rank leaves the group usable; any other failure (some ranks stuck, dead or
+    done) restarts the group for the next task.
 
     Example:
         >>> import accelkit as ak
@@ -68,9 +70,11 @@ class WorkerPool:
         [0, 1]
     """
 
-    def __init__(self, num_processes: int = 2, *, timeout: float = 60.0, grace: float = 5.0, **options: Any) -> None:
+    def __init__(
+        self, num_processes: int = 2, *, task_timeout: float = 60.0, grace: float = 5.0, **options: Any
+    ) -> None:
         self.num_processes = num_processes
-        self.timeout = timeout
+        self.task_timeout = task_timeout
         self.grace = grace
         self._env = _env.option_env(_options.validate({"cpu": True, **options}, "accelkit.testing.WorkerPool"))
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -87,7 +91,7 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, task_timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every worker; the results in rank order."""
         check_picklable(fn, args, kwargs, "spawn")
         self._start()
@@ -95,7 +99,7 @@ class WorkerPool:
         message = pickle.dumps((task, fn, args, kwargs))
         for conn in self._conns:
             conn.send_bytes(message)
-        return self._collect(task, timeout or self.timeout)
+        return self._collect(task, task_timeout or self.task_timeout)
 
     def close(self) -> None:
         """Stop every worker (politely, then by force) and wait for them."""
@@ -137,7 +141,7 @@ class WorkerPool:
             self._procs.append(proc)
             self._conns.append(parent)
         try:
-            self._collect(-1, self.timeout)
+            self._collect(-1, self.task_timeout)
         except BaseException:
             self.close()
             raise
@@ -179,8 +183,9 @@ class WorkerPool:
             return [results[r] for r in range(self.num_processes)]
         for rank in pending:
             failures[rank] = _stuck(rank, self._procs[rank], timeout if not failures else self.grace)
-        if pending or any(f.exc_type == "" for f in failures.values()):
-            self.close()  # a rank is stuck or gone: start afresh next time
+        if len(failures) < self.num_processes or any(f.exc_type == "" for f in failures.values()):
+            # Some ranks went on (or died): their collectives may be out of step. Start afresh.
+            self.close()
         raise WorkerError(list(failures.values()), what="worker pool task")
 
 

@@ -157,7 +157,7 @@ def _added_cpu(quick: bool) -> list[tuple[str, list[float], list[float]]]:
 def run(quick: bool) -> list[Row]:
     from accelkit.testing import WorkerPool
 
-    with WorkerPool(2, timeout=900.0, debug=False) as pool:
+    with WorkerPool(2, task_timeout=900.0, debug=False) as pool:
         per_rank = pool.run(_measure, quick)
     rows = []
     for name, ours, ref in per_rank[0]:  # rank 0's clock

@@ -264,7 +264,7 @@ def _rank_specific(case: str) -> Any:
 def _errors(pool: WorkerPool, *args: Any) -> dict[int, str]:
     """Run a task that must fail on every rank with DistributedOperationError; the messages by rank."""
     with pytest.raises(ak.WorkerError) as info:
-        pool.run(*args, timeout=MISMATCH_DEADLINE)
+        pool.run(*args, task_timeout=MISMATCH_DEADLINE)
     failures = {f.rank: f for f in info.value.failures}
     assert sorted(failures) == [0, 1], info.value
     assert {f.exc_type for f in failures.values()} == {DEBUG_ERROR}, info.value
@@ -318,7 +318,7 @@ def _invalid_on_rank_1(collective: str) -> Any:
 @pytest.mark.parametrize("collective", ["gather", "reduce", "broadcast", "pad_across_processes", "broadcast_object"])
 def test_debug_mode_turns_one_rank_s_bad_input_into_errors_everywhere(debug_pool: WorkerPool, collective: str) -> None:
     with pytest.raises(ak.WorkerError) as info:
-        debug_pool.run(_invalid_on_rank_1, collective, timeout=MISMATCH_DEADLINE)
+        debug_pool.run(_invalid_on_rank_1, collective, task_timeout=MISMATCH_DEADLINE)
     failures = {f.rank: f for f in info.value.failures}
     bad, other = (0, 1) if collective == "broadcast_object" else (1, 0)
     assert sorted(failures) == [0, 1] and failures[bad].exc_type == "TypeError", info.value
@@ -364,17 +364,16 @@ def _bad_src() -> Any:
 @pytest.mark.distributed
 def test_bad_src_fails_on_every_rank(pool: WorkerPool) -> None:
     with pytest.raises(ak.WorkerError) as info:
-        pool.run(_bad_src, timeout=MISMATCH_DEADLINE)
+        pool.run(_bad_src, task_timeout=MISMATCH_DEADLINE)
     assert [f.exc_type for f in info.value.failures] == ["ValueError", "ValueError"]
     assert "the job has 2 processes, so src must be between 0 and 1" in info.value.failures[0].message
 
 
 @pytest.mark.distributed
-def test_without_debug_mode_a_mismatch_times_out_naming_the_operation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ACCELKIT_TIMEOUT", "2")  # the workers' collective timeout
-    with WorkerPool(2) as workers:
+def test_without_debug_mode_a_mismatch_times_out_naming_the_operation() -> None:
+    with WorkerPool(2, timeout=2.0) as workers:  # the workers' collective timeout
         with pytest.raises(ak.WorkerError) as info:
-            workers.run(_rank_specific, "different operations", timeout=MISMATCH_DEADLINE)
+            workers.run(_rank_specific, "different operations", task_timeout=MISMATCH_DEADLINE)
     failures = {f.rank: f for f in info.value.failures}
     assert sorted(failures) == [0, 1] and {f.exc_type for f in failures.values()} == {DEBUG_ERROR}, info.value
     for rank, op in ((0, "gather"), (1, "reduce")):

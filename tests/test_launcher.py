@@ -109,7 +109,7 @@ def test_a_worker_killed_by_a_signal_is_named() -> None:
 
 def test_a_hung_worker_times_out_and_says_where_it_was() -> None:
     with pytest.raises(ak.WorkerError) as err:
-        run_distributed(hang_on_rank_one, timeout=5)
+        run_distributed(hang_on_rank_one, task_timeout=5)
     assert err.value.ranks[0] == 1
     assert "did not finish within 5 s" in str(err.value)
     assert "time.sleep(600)" in str(err.value)

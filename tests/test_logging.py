@@ -69,7 +69,7 @@ def test_in_order_logs_rank_zero_first(pool: WorkerPool, tmp_path: Any) -> None:
 
 def test_in_order_with_different_levels_does_not_deadlock(pool: WorkerPool, tmp_path: Any) -> None:
     path = str(tmp_path / "log.txt")
-    pool.run(log_to_file, path, True, True, ("ERROR", "INFO"), timeout=30)
+    pool.run(log_to_file, path, True, True, ("ERROR", "INFO"), task_timeout=30)
     assert open(path).read() == "rank 1\n"
 
 
