@@ -1,0 +1,176 @@
+"""Training-step cost: accelkit's four-line loop vs a hand-written DDP loop, 2 gloo processes.
+
+Both loops see the same per-rank batches (the raw loop uses accelkit's shard order through
+a plain sampler), so their final losses must agree bit for bit. Per model size and
+accumulation setting, the two loops alternate in the same two workers (paired rounds):
+- steps/s over the whole loop (ratio accelkit / raw);
+- CPU-side cost per step of the phases accelkit wraps — fetching the batch, forward and
+  the optimizer step — which leaves out backward, where the all-reduce noise lives;
+- peak RSS per worker, from separate launches of each loop alone.
+Run alone: ``python bench/train_step.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Row, paired_row  # noqa: E402
+
+SIZES = {"tiny": (32, 32, 8), "medium": (512, 2048, 64)}  # features, hidden, per-rank batch
+
+
+def _model(size: str) -> nn.Module:
+    features, hidden, _ = SIZES[size]
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+
+def _data(size: str, steps: int, world: int) -> torch.utils.data.TensorDataset:
+    features, _, batch = SIZES[size]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * batch * world, features, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+class _ShardOrder(torch.utils.data.Sampler[int]):
+    """accelkit's shard order written out by hand: rank r takes slice r of each global batch."""
+
+    def __init__(self, n: int, batch: int, rank: int, world: int) -> None:
+        self.indices = [i for start in range(0, n, batch * world) for i in range(start + rank * batch, start + (rank + 1) * batch)]
+
+    def __iter__(self) -> Any:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _raw_loop(size: str, steps: int, accumulation: int) -> tuple[float, float, float]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = _data(size, steps, world)
+    batch = SIZES[size][2]
+    model = nn.parallel.DistributedDataParallel(_model(size))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=_ShardOrder(len(data), batch, rank, world))
+    wrapped = 0.0
+    start = time.perf_counter()
+    fetch = time.perf_counter()
+    for i, (x, y) in enumerate(loader):
+        t0 = time.perf_counter()
+        boundary = (i + 1) % accumulation == 0
+        with model.no_sync() if not boundary else torch.enable_grad():
+            out = model(x)
+            t1 = time.perf_counter()
+            loss = nn.functional.mse_loss(out, y)
+            (loss / accumulation if accumulation > 1 else loss).backward()
+        t2 = time.perf_counter()
+        if boundary:
+            opt.step()
+            opt.zero_grad()
+        t3 = time.perf_counter()
+        wrapped += (t0 - fetch) + (t1 - t0) + (t3 - t2)
+        fetch = time.perf_counter()
+    return time.perf_counter() - start, wrapped, loss.item()
+
+
+def _accelkit_loop(size: str, steps: int, accumulation: int) -> tuple[float, float, float]:
+    import accelkit as ak
+
+    data = _data(size, steps, ak.world_size())
+    model = _model(size)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(data, batch_size=SIZES[size][2])
+    model, opt, loader = ak.prepare(model, opt, loader)
+    wrapped = 0.0
+    start = time.perf_counter()
+    fetch = time.perf_counter()
+    for x, y in loader:
+        t0 = time.perf_counter()
+        with ak.accumulate(model, steps=accumulation):
+            out = model(x)
+            t1 = time.perf_counter()
+            loss = nn.functional.mse_loss(out, y)
+            ak.backward(loss)
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+        t3 = time.perf_counter()
+        wrapped += (t0 - fetch) + (t1 - t0) + (t3 - t2)
+        fetch = time.perf_counter()
+    return time.perf_counter() - start, wrapped, loss.item()
+
+
+def paired_rounds(size: str, steps: int, accumulation: int, rounds: int) -> list[tuple[float, ...]]:
+    """In each worker: alternate raw and accelkit loops; (raw s, raw wrapped s, raw loss, ak ...)."""
+    import accelkit as ak
+
+    ak.state()  # join the group once
+    _raw_loop(size, max(steps // 5, 4), accumulation)  # warm up both paths
+    _accelkit_loop(size, max(steps // 5, 4), accumulation)
+    out = []
+    for _ in range(rounds):
+        out.append(_raw_loop(size, steps, accumulation) + _accelkit_loop(size, steps, accumulation))
+    return out
+
+
+def peak_rss(kind: str, size: str, steps: int) -> int:
+    """KiB: one loop alone in fresh workers."""
+    import accelkit as ak
+
+    ak.state()
+    (_raw_loop if kind == "raw" else _accelkit_loop)(size, steps, 1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def run(quick: bool) -> list[Row]:
+    from accelkit.testing import run_distributed
+
+    rows: list[Row] = []
+    rounds = 3 if quick else 7
+    for size, steps in (("tiny", 100 if quick else 400), ("medium", 10 if quick else 40)):
+        for accumulation in (1, 4):
+            results = run_distributed(paired_rounds, (size, steps, accumulation, rounds), task_timeout=900)
+            rank0 = results[0]
+            raw_s, raw_cpu, raw_loss = (list(col) for col in zip(*[r[:3] for r in rank0], strict=True))
+            ak_s, ak_cpu, ak_loss = (list(col) for col in zip(*[r[3:] for r in rank0], strict=True))
+            label = f"{size} MLP, accumulation {accumulation}"
+            row = paired_row(f"train step/s: {label}", [steps / s for s in ak_s], [steps / s for s in raw_s], unit="/s")
+            row["target"], row["ok"] = None, None
+            rows.append(row)
+            rows.append(
+                paired_row(
+                    f"CPU-side wrapped phases per step: {label}",
+                    [c / steps * 1e6 for c in ak_cpu],
+                    [c / steps * 1e6 for c in raw_cpu],
+                    target=20.0,
+                    unit="us",
+                )
+            )
+            same = all(a == b for a, b in zip(ak_loss, raw_loss, strict=True))
+            rows.append({"name": f"final loss bit-identical: {label}", "unit": "", "accelkit": ak_loss[0],
+                         "reference": raw_loss[0], "diff": None, "ratio": None, "target": None, "ok": same,
+                         "n": len(ak_loss)})  # fmt: skip
+        raw_rss = run_distributed(peak_rss, ("raw", size, steps))
+        ak_rss = run_distributed(peak_rss, ("accelkit", size, steps))
+        rows.append(
+            paired_row(f"peak RSS per worker: {size} MLP", [k / 1024 for k in ak_rss], [k / 1024 for k in raw_rss],
+                       target=2.0, unit="MiB")  # fmt: skip
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    for row in run("--quick" in sys.argv):
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    sys.exit(0 if statistics.median([1]) else 1)
