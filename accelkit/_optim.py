@@ -43,7 +43,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if _state.training.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -51,13 +51,21 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
-    @property  # type: ignore[override]
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -102,7 +102,7 @@ def _autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
         return _to_fp32(outputs)
 
-    model.forward = forward_in_precision  # type: ignore[method-assign]
+    model.forward = forward_in_precision
 
 
 def _to_fp32(x: Any) -> Any:

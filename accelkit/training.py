@@ -38,7 +38,7 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         loss = loss / training.accumulation_steps
     if training.scaler is not None:
         loss = training.scaler.scale(loss)
-    loss.backward(**kwargs)
+    loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager
@@ -146,14 +146,18 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     wrappers = _wrapper_types()
     while isinstance(model, wrappers):
-        model = getattr(model, "_orig_mod", None) or model.module
+        inner = getattr(model, "_orig_mod", None) or model.module
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
     return model
 
 
 def _wrapper_types() -> tuple[type, ...]:
     found: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
     # Only look for the wrappers of modules already imported: importing them is slow.
-    for module, name in (("torch._dynamo.eval_frame", "OptimizedModule"), ("torch.distributed.fsdp", "FullyShardedDataParallel")):
+    lazy = (("torch._dynamo.eval_frame", "OptimizedModule"), ("torch.distributed.fsdp", "FullyShardedDataParallel"))
+    for module, name in lazy:
         if module in sys.modules:
             found.append(getattr(sys.modules[module], name))
     return tuple(found)

@@ -179,10 +179,10 @@ def test_default_precision_comes_from_the_state() -> None:
 
 
 def test_unknown_precision_lists_the_valid_modes() -> None:
-    with pytest.raises(ValueError, match="'fp64'.*no, fp16, bf16, fp8"):
+    with pytest.raises(ValueError, match=r"'fp64'.*no, fp16, bf16, fp8"):
         with ak.precision("fp64"):
             pass
-    with pytest.raises(ValueError, match="fp8.*compute capability"):
+    with pytest.raises(ValueError, match=r"fp8.*compute capability"):
         with ak.precision("fp8"):
             pass
 
