@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .errors import ConfigurationError, DistributedOperationError, StateError, WorkerError
     from .launcher import distributed, launch
     from .logging import get_logger
+    from .memory import find_executable_batch_size, free_memory
     from .process import (
         check_breakpoint,
         device,
@@ -52,6 +53,7 @@ _HOMES = {
     **dict.fromkeys(["ConfigurationError", "DistributedOperationError", "StateError", "WorkerError"], ".errors"),
     **dict.fromkeys(["distributed", "launch"], ".launcher"),
     "get_logger": ".logging",
+    **dict.fromkeys(["find_executable_batch_size", "free_memory"], ".memory"),
     **dict.fromkeys(
         [
             "check_breakpoint", "device", "is_local_main_process", "is_main_process", "local_main_process_first",
@@ -89,6 +91,8 @@ __all__ = [
     "clip_grad_value_",
     "device",
     "distributed",
+    "find_executable_batch_size",
+    "free_memory",
     "gather",
     "gather_for_metrics",
     "gather_object",

@@ -258,6 +258,41 @@ def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opt
         ) from exc
 
 
+# --- reform_group: used by accelkit.memory after a rank ran out of memory mid-collective ---------
+
+
+def reform_group(store: Any, prefix: str) -> None:
+    """Replace this process's default group by a fresh one on ``store``, under ``prefix``.
+
+    Every rank calls it with the same ``prefix``, new to ``store``. The current group, if
+    this process still has one, is destroyed first; the new one has the state's ranks,
+    backend and timeout. The caller keeps ``store`` referenced throughout: rank 0's
+    TCPStore server would otherwise go away with the old group.
+    """
+    import torch.distributed as dist
+
+    with _lock:
+        st = get()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        try:
+            dist.init_process_group(
+                st.backend,
+                store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+                rank=st.rank,
+                world_size=st.world_size,
+                timeout=timedelta(seconds=st.options.timeout),
+            )
+        except Exception as exc:
+            raise StateError(
+                f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
+                f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
+            ) from exc
+
+
+# --- end of reform_group ---------------------------------------------------------------------
+
+
 def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
     actual = {"num_processes": st.local_world_size, "num_nodes": st.num_nodes, "node_rank": st.node_rank}
     for name in _LAUNCH_CHECKED:

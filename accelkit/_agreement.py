@@ -1,0 +1,183 @@
+"""The agreement that ends each attempt of ``find_executable_batch_size`` with several processes.
+
+See :mod:`accelkit.memory` for the protocol: ranks report through the job's key-value
+store (not the possibly broken process group), and re-form the group after a rank ran out
+of memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _env, _state
+
+# How a collective fails when a peer went away or never came.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+_GRACE = 60.0  # seconds beyond the collective timeout that ranks wait for each other after an attempt
+# Every rank counts its agreements in the same order, so that their store keys match.
+_agreements = itertools.count()
+_previous = ""  # the last agreement's key prefix, deleted from the store after the next one
+_KEYS = ("size", "failures", "arrived", "done")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank reported after one attempt: (rank, kind, summary) of each failure."""
+
+    failures: list[tuple[int, str, str]]
+
+    def ranks(self, kind: str) -> list[int]:
+        return sorted(r for r, k, _ in self.failures if k == kind)
+
+    def describe(self, kind: str) -> str:
+        return "; ".join(f"rank {r}: {s}" for r, k, s in sorted(self.failures) if k == kind)
+
+
+class Team:
+    """This process's side of the agreements of a multi-process run (see the module's notes)."""
+
+    def __init__(self, st: _state.ProcessState, store: Any) -> None:
+        self.st, self.store = st, store  # the raw store: it outlives the groups built on it
+        self.restart = _env.detect_launch().restart_count
+        self.wait = timedelta(seconds=st.options.timeout + _GRACE)
+        self.number = -1
+
+    @classmethod
+    def join(cls) -> Team | None:
+        """The team with several processes; None with one (no process group is created)."""
+        many = _state.is_initialized() or dist.is_initialized() or _env.detect_launch().world_size > 1
+        st = _state.get() if many else None
+        if st is None or not st.distributed:
+            return None
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):  # type: ignore[attr-defined]
+            store = store.underlying_store
+        return cls(st, store)
+
+    def report(self, batch_size: int, kind: str, failure: BaseException | None) -> None:
+        """Post this rank's outcome (``kind`` "" when it succeeded); the last to arrive releases all."""
+        global _previous
+        self.number = next(_agreements)
+        key = self._key(self.number)
+        seen = self.store.compare_set(f"{key}/size", "", str(batch_size)).decode()
+        if seen != str(batch_size):
+            self._post(key, "size", f"batch_size={batch_size}, but another rank has {seen}")
+        if failure is not None:
+            self._post(key, kind, summary(failure))
+        if self.store.add(f"{key}/arrived", 1) == self.st.world_size:
+            self.store.set(f"{key}/done", "1")
+            if _previous:  # every rank has read the previous agreement's keys by now
+                for name in _KEYS:
+                    self.store.delete_key(f"{_previous}/{name}")
+        _previous = key
+
+    def agree(self, batch_size: int, kind: str, failure: Exception | None) -> Verdict:
+        """Report, then wait until every rank has; what they reported."""
+        self.report(batch_size, kind, failure)
+        key = self._key(self.number)
+        try:
+            self.store.wait([f"{key}/done"], self.wait)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"accelkit.find_executable_batch_size: rank {self.st.rank} waited {self.wait.total_seconds():g} s "
+                f"for the other processes to finish their attempt with batch_size={batch_size}; one of them is "
+                f"stuck or gone (every rank must call the decorated function)"
+            ) from exc
+        if not self.store.check([f"{key}/failures"]):
+            return Verdict([])
+        lines = self.store.get(f"{key}/failures").decode().splitlines()
+        return Verdict([(int(r), k, s) for r, k, s in (line.split("\t", 2) for line in lines)])
+
+    def report_error(self, batch_size: int, error: Exception) -> None:
+        """Tell the other ranks not to wait: this one raises ``error``, which must come out unchanged."""
+        with contextlib.suppress(Exception):
+            self.report(batch_size, "error", error)
+
+    def recover(self, verdict: Verdict, call: str, failure: Exception | None) -> None:
+        """After a failed attempt: raise, or re-form the group for a retry when a rank ran out of memory."""
+        if verdict.ranks("error"):
+            raise RuntimeError(
+                f"{call} raised on another process ({verdict.describe('error')}); find_executable_batch_size "
+                f"stops on every rank (that rank raised the error itself)"
+            ) from failure
+        if verdict.ranks("size"):
+            raise ValueError(
+                f"accelkit.find_executable_batch_size: the processes called {call.split('(')[0]} with different "
+                f"batch sizes ({verdict.describe('size')}); give every rank the same starting_batch_size"
+            ) from failure
+        break_group()  # on the ranks that succeeded too, so that nothing keeps the old group alive
+        _state.reform_group(self.store, f"accelkit/attempt{self.restart}/regroup{self.number}")
+        if not verdict.ranks("oom"):  # a collective failed, and not because a rank ran out of memory
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"{call} failed on {verdict.describe('comm')}")
+
+    def _key(self, number: int) -> str:
+        return f"accelkit/batch-size/{self.restart}/{number}"
+
+    def _post(self, key: str, kind: str, summary: str) -> None:
+        self.store.append(f"{key}/failures", f"{self.st.rank}\t{kind}\t{summary}\n")
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether a collective failed because a peer broke the group (or never came)."""
+    return any(
+        isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in _LOST_PEER))
+        for e in _chain(exc)
+    )
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def drop_frames(exc: BaseException) -> None:
+    for e in _chain(exc):
+        traceback.clear_frames(e.__traceback__)
+
+
+def break_group() -> weakref.ref[Any] | None:
+    """Destroy this process's group; a weak reference to it, alive if something still holds it."""
+    if not dist.is_initialized():
+        return None
+    group = weakref.ref(dist.group.WORLD)
+    _unpin(group())
+    dist.destroy_process_group()
+    return group
+
+
+def _unpin(group: Any) -> None:
+    """Free ``group`` from torch.distributed.nn.functional's defaults.
+
+    Its functions are written ``def all_reduce(tensor, op=..., group=group.WORLD)``: the
+    defaults hold the group that existed when it was first imported (DDP imports it via
+    torch._dynamo), which keeps that group's gloo connections open after it is destroyed.
+    ``None`` means the default group to torch.distributed, as the defaults intend.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            function.__defaults__ = tuple(None if d is group else d for d in defaults)
+
+
+def summary(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
