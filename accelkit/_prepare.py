@@ -93,7 +93,9 @@ def _prepare_model(model: nn.Module, options: dict[str, Any]) -> nn.Module:
 
 
 def _autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
-    forward = model.forward
+    # Preparing the module again (e.g. on each find_executable_batch_size retry) re-wraps
+    # its own forward, not the wrapper of last time.
+    forward = getattr(model.forward, "__accelkit_forward__", model.forward)
 
     @functools.wraps(forward)
     def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
@@ -102,6 +104,7 @@ def _autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
         return _to_fp32(outputs)
 
+    forward_in_precision.__accelkit_forward__ = forward  # type: ignore[attr-defined]
     model.forward = forward_in_precision
 
 

@@ -277,3 +277,25 @@ def test_shuffled_two_process_run_matches_the_one_process_run(pool: WorkerPool) 
     zero, one = pool.run(train_with_accelkit, 8, 1, True)
     assert zero[0] == pytest.approx(expected_params, abs=1e-5)
     assert one[0] == zero[0]
+
+
+def test_preparing_a_module_again_does_not_stack_autocast() -> None:
+    ak.init(precision="bf16")
+    model = make_model()
+    ak.prepare(model)
+    first = model.forward
+    ak.prepare(model)
+    assert model.forward.__wrapped__ is first.__wrapped__  # both wrap the module's own forward
+    assert model(torch.ones(1, 4)).dtype == torch.float32
+
+
+def reinit_in_the_same_workers() -> int:
+    ak.reset_state()
+    ak.init(cpu=True)
+    return int(ak.reduce(torch.tensor([ak.rank() + 1]), op="sum").item())
+
+
+def test_reset_and_init_again_inside_launched_workers() -> None:
+    from accelkit.testing import run_distributed
+
+    assert run_distributed(reinit_in_the_same_workers) == [3, 3]
