@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load on first use
+    from ._precision import precision
+    from ._prepare import prepare
     from ._state import ProcessState, init, is_initialized, reset_state
     from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
     from .data import gather_for_metrics, skip_first_batches
@@ -42,37 +44,59 @@ if TYPE_CHECKING:
         wait_for_everyone,
         world_size,
     )
-    from ._precision import precision
-    from ._prepare import prepare
     from .split import split_between_processes
     from .training import accumulate, backward, clip_grad_norm_, clip_grad_value_, no_sync, sync_gradients, unwrap
 
 # public name -> the module that defines it
-_HOMES = {
-    **dict.fromkeys(["ProcessState", "init", "is_initialized", "reset_state"], "._state"),
-    **dict.fromkeys(["ConfigurationError", "DistributedOperationError", "StateError", "WorkerError"], ".errors"),
-    **dict.fromkeys(["distributed", "launch"], ".launcher"),
-    "get_logger": ".logging",
-    **dict.fromkeys(["find_executable_batch_size", "free_memory"], ".memory"),
-    **dict.fromkeys(
-        [
-            "check_breakpoint", "device", "is_local_main_process", "is_main_process", "local_main_process_first",
-            "local_rank", "main_process_first", "on_local_main_process", "on_main_process", "on_process", "print",
-            "rank", "set_breakpoint", "set_seed", "state", "wait_for_everyone", "world_size",
-        ],
-        ".process",
-    ),  # fmt: skip
-    "split_between_processes": ".split",
+_HOMES: dict[str, str] = {
     "precision": "._precision",
     "prepare": "._prepare",
-    **dict.fromkeys(
-        ["accumulate", "backward", "clip_grad_norm_", "clip_grad_value_", "no_sync", "sync_gradients", "unwrap"],
-        ".training",
-    ),
-    **dict.fromkeys(
-        ["broadcast", "broadcast_object", "gather", "gather_object", "pad_across_processes", "reduce"], ".collectives"
-    ),
-    **dict.fromkeys(["gather_for_metrics", "skip_first_batches"], ".data"),
+    "ProcessState": "._state",
+    "init": "._state",
+    "is_initialized": "._state",
+    "reset_state": "._state",
+    "broadcast": ".collectives",
+    "broadcast_object": ".collectives",
+    "gather": ".collectives",
+    "gather_object": ".collectives",
+    "pad_across_processes": ".collectives",
+    "reduce": ".collectives",
+    "gather_for_metrics": ".data",
+    "skip_first_batches": ".data",
+    "ConfigurationError": ".errors",
+    "DistributedOperationError": ".errors",
+    "StateError": ".errors",
+    "WorkerError": ".errors",
+    "distributed": ".launcher",
+    "launch": ".launcher",
+    "get_logger": ".logging",
+    "find_executable_batch_size": ".memory",
+    "free_memory": ".memory",
+    "check_breakpoint": ".process",
+    "device": ".process",
+    "is_local_main_process": ".process",
+    "is_main_process": ".process",
+    "local_main_process_first": ".process",
+    "local_rank": ".process",
+    "main_process_first": ".process",
+    "on_local_main_process": ".process",
+    "on_main_process": ".process",
+    "on_process": ".process",
+    "print": ".process",
+    "rank": ".process",
+    "set_breakpoint": ".process",
+    "set_seed": ".process",
+    "state": ".process",
+    "wait_for_everyone": ".process",
+    "world_size": ".process",
+    "split_between_processes": ".split",
+    "accumulate": ".training",
+    "backward": ".training",
+    "clip_grad_norm_": ".training",
+    "clip_grad_value_": ".training",
+    "no_sync": ".training",
+    "sync_gradients": ".training",
+    "unwrap": ".training",
 }
 
 __all__ = [
