@@ -116,7 +116,6 @@ def run_workers(
 def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
     os.environ.update(job.env)
-    os.environ[_env.RUN_DIR] = job.run_dir
     if job.threads:
         import torch
 

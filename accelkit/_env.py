@@ -21,8 +21,6 @@ CPU = "ACCELKIT_CPU"
 BACKEND = "ACCELKIT_BACKEND"
 TIMEOUT = "ACCELKIT_TIMEOUT"
 LOG_LEVEL = "ACCELKIT_LOG_LEVEL"
-# Set by accelkit's own launcher inside each worker.
-RUN_DIR = "ACCELKIT_RUN_DIR"
 
 OPTION_VARIABLES = {
     "precision": PRECISION,
