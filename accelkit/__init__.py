@@ -19,9 +19,10 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
     from ._precision import precision
     from ._prepare import prepare
     from ._state import ProcessState, init, is_initialized, reset_state
+    from .checkpoint import latest_checkpoint, load_state, save_model, save_state
     from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
     from .data import gather_for_metrics, skip_first_batches
-    from .errors import ConfigurationError, DistributedOperationError, StateError, WorkerError
+    from .errors import CheckpointError, ConfigurationError, DistributedOperationError, StateError, WorkerError
     from .launcher import distributed, launch
     from .logging import get_logger
     from .memory import find_executable_batch_size, free_memory
@@ -49,12 +50,17 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
 
 # public name -> the module that defines it
 _HOMES: dict[str, str] = {
+    "CheckpointError": ".errors",
     "precision": "._precision",
     "prepare": "._prepare",
     "ProcessState": "._state",
     "init": "._state",
     "is_initialized": "._state",
     "reset_state": "._state",
+    "latest_checkpoint": ".checkpoint",
+    "load_state": ".checkpoint",
+    "save_model": ".checkpoint",
+    "save_state": ".checkpoint",
     "broadcast": ".collectives",
     "broadcast_object": ".collectives",
     "gather": ".collectives",
@@ -100,6 +106,7 @@ _HOMES: dict[str, str] = {
 }
 
 __all__ = [
+    "CheckpointError",
     "ConfigurationError",
     "DistributedOperationError",
     "ProcessState",
@@ -125,7 +132,9 @@ __all__ = [
     "is_initialized",
     "is_local_main_process",
     "is_main_process",
+    "latest_checkpoint",
     "launch",
+    "load_state",
     "local_main_process_first",
     "local_rank",
     "main_process_first",
@@ -140,6 +149,8 @@ __all__ = [
     "rank",
     "reduce",
     "reset_state",
+    "save_model",
+    "save_state",
     "set_breakpoint",
     "set_seed",
     "skip_first_batches",

@@ -48,7 +48,7 @@ class Team:
 
     def __init__(self, st: _state.ProcessState, store: Any) -> None:
         self.st, self.store = st, store  # the raw store: it outlives the groups built on it
-        self.restart = _env.detect_launch().restart_count
+        self.restart = st.restart_count
         self.wait = timedelta(seconds=st.options.timeout + _GRACE)
         self.number = -1
 

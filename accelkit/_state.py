@@ -45,6 +45,7 @@ class ProcessState:
     backend: str
     options: Options
     launcher: str = "none"
+    restart_count: int = 0  # how many times the elastic agent restarted the job so far
     pid: int = field(default_factory=os.getpid, repr=False, compare=False)
     hardware: Backend | None = field(default=None, repr=False, compare=False)
 
@@ -75,6 +76,10 @@ class TrainingState:
     - ``optimizers``: the prepared optimizers; ``unscaled``: whether their gradients were
       already unscaled this step (``clip_grad_norm_`` unscales once per step). Weak: an
       optimizer the user dropped no longer takes part.
+    - ``loaders``: every prepared dataloader, in the order prepared (weak references, so
+      a dropped loader is forgotten); ``ak.save_state`` saves their positions and
+      ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
+      is how a resumed run matches each saved position to its loader.
     """
 
     micro_step: int = 0
@@ -84,6 +89,7 @@ class TrainingState:
     scaler: Any = None
     optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     unscaled: bool = False
+    loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
 
 
 _lock = threading.RLock()
@@ -196,6 +202,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
         backend=backend,
         options=options,
         launcher=launch.launcher,
+        restart_count=launch.restart_count,
         hardware=hardware,
     )
     _state, _owns_group, _origin = st, owns, f"{_caller()} ({reason})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -68,8 +69,11 @@ def prepare_dataloader(loader: DataLoader[Any], *, even_batches: bool = True) ->
         raise TypeError(f"accelkit.prepare(even_batches={even_batches!r}): expected True or False")
     st = _state.get()
     if isinstance(loader.dataset, IterableDataset):
-        return _prepare_stream(loader, st, even_batches)
-    return _prepare_map(loader, st, even_batches)
+        prepared = _prepare_stream(loader, st, even_batches)
+    else:
+        prepared = _prepare_map(loader, st, even_batches)
+    _state.training.loaders.append(weakref.ref(prepared))  # ak.save_state records its position
+    return prepared
 
 
 def _prepare_map(loader: DataLoader[Any], st: ProcessState, even_batches: bool) -> PreparedDataLoader:

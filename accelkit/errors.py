@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CheckpointError",
     "ConfigurationError",
     "DistributedOperationError",
     "StateError",
@@ -15,6 +16,10 @@ __all__ = [
 
 class ConfigurationError(ValueError):
     """An option, environment variable or config value is invalid."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or the one on disk is damaged or does not fit."""
 
 
 class StateError(RuntimeError):

@@ -1,0 +1,109 @@
+"""The manifest that makes a checkpoint directory a committed checkpoint.
+
+``manifest.json`` is written last, into the temporary directory, just before it is
+renamed into place: a directory with a valid manifest is whole. The manifest lists every
+file with its size and checksum, and carries its own checksum so that a damaged manifest
+is told apart from a different checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._safe_io import CheckpointError, FileRecord, checksum
+from ._version import __version__
+
+__all__ = ["MANIFEST", "build", "committed", "read"]
+
+MANIFEST = "manifest.json"
+FORMAT = "accelkit-checkpoint"
+VERSION = 1
+_MAX_BYTES = 64 << 20  # a manifest is small; refuse to parse a huge file as one
+
+
+def _body_checksum(body: dict[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return checksum(zlib.crc32(text.encode()))
+
+
+def build(files: dict[str, FileRecord], objects: list[str], values: dict[str, Any], world_size: int) -> bytes:
+    """The manifest's bytes for a checkpoint of ``files``."""
+    step = values.get("step")
+    body = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": world_size,
+        "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+        "created_ns": time.time_ns(),
+        "accelkit": __version__,
+        "torch": torch.__version__,
+        "objects": objects,
+        "values": values,
+        "files": files,
+    }
+    return json.dumps({"checksum": _body_checksum(body), "body": body}, indent=1).encode()
+
+
+def read(directory: Path) -> dict[str, Any]:
+    """The manifest body of the checkpoint in ``directory``; CheckpointError if it is not one."""
+    path = directory / MANIFEST
+    try:
+        size = path.stat().st_size
+        if size > _MAX_BYTES:
+            raise CheckpointError(f"{path} is {size} bytes, too large to be a manifest")
+        raw = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        hint = "not a directory" if not directory.is_dir() else "has no manifest.json (not a committed checkpoint)"
+        raise CheckpointError(
+            f"{directory} {hint}; pass a directory written by ak.save_state, e.g. ak.latest_checkpoint(root)"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); the manifest is damaged") from None
+    body = raw.get("body") if isinstance(raw, dict) else None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an accelkit checkpoint manifest (no format {FORMAT!r})")
+    if raw.get("checksum") != _body_checksum(body):
+        raise CheckpointError(f"{path} has a wrong checksum: the manifest's content was changed or damaged")
+    if body.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path} has format version {body.get('version')!r}; this accelkit reads version {VERSION}: "
+            f"load it with the accelkit that wrote it ({body.get('accelkit')!r})"
+        )
+    _check_files(path, body.get("files"))
+    return body
+
+
+def _check_files(path: Path, files: Any) -> None:
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: 'files' is {type(files).__name__}, expected a mapping")
+    for name, rec in files.items():
+        if os.path.basename(name) != name or name.startswith(".") or not name:
+            raise CheckpointError(f"{path}: file name {name!r} is not a plain file name")
+        if not (isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get("checksum"), str)):
+            raise CheckpointError(f"{path}: the entry of {name!r} is {rec!r}, expected a size and a checksum")
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """The committed checkpoints directly under ``root``: (commit time in ns, directory), oldest first."""
+    found = []
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        try:
+            body = read(Path(entry.path))
+        except CheckpointError:
+            continue
+        created = body.get("created_ns")
+        found.append((created if isinstance(created, int) else 0, Path(entry.path)))
+    return sorted(found)

@@ -1,0 +1,143 @@
+"""Durable, verifiable files for checkpoints: checksummed fsynced writes, atomic swaps.
+
+Every byte a checkpoint writes goes through :func:`write_file`, which checksums (CRC-32)
+while writing and fsyncs before returning; :func:`check_file` verifies a file against
+its recorded size and checksum. :func:`crash_point` marks the moments tests break into.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import shutil
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import CheckpointError
+
+__all__ = ["CheckpointError", "FileRecord", "check_file", "crash_point", "fsync_dir", "swap", "write_file"]
+
+FileRecord = dict[str, Any]  # {"size": int, "checksum": "crc32:..."}
+
+# Tests set this to raise or to kill the process at a named moment of a save
+# ("before-file:NAME", "mid-file:NAME", "after-file:NAME", "before-manifest", "before-rename", ...).
+crash_hook: Callable[[str], None] | None = None
+
+
+def crash_point(label: str) -> None:
+    if crash_hook is not None:
+        crash_hook(label)
+
+
+def _write(f: IO[bytes], data: Any) -> int:
+    """One write to an open file (a seam: tests replace it to simulate a full disk)."""
+    return f.write(data)
+
+
+class _HashingWriter:
+    """A file-like object that checksums and counts what passes through it."""
+
+    def __init__(self, f: IO[bytes], label: str) -> None:
+        self._f, self._label = f, label
+        self.crc, self.size, self._started = 0, 0, False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = _write(self._f, view)
+        self.crc, self.size = zlib.crc32(view, self.crc), self.size + view.nbytes
+        if not self._started:
+            self._started = True
+            self._f.flush()  # so that a crash here really leaves a partial file
+            crash_point(f"mid-file:{self._label}")
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def checksum(crc: int) -> str:
+    return f"crc32:{crc:08x}"
+
+
+def write_file(path: Path, produce: Callable[[Any], object]) -> FileRecord:
+    """Create ``path`` (it must not exist) with what ``produce(file)`` writes; fsynced.
+
+    Returns its size and checksum for the manifest.
+    """
+    label = path.name
+    crash_point(f"before-file:{label}")
+    try:
+        with open(path, "xb") as f:
+            writer = _HashingWriter(f, label)
+            produce(writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.filename:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc  # name the file in the error
+    except RuntimeError as exc:  # torch.save reports a failed write as a RuntimeError
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, str(path)) from exc
+        raise
+    crash_point(f"after-file:{label}")
+    return {"size": writer.size, "checksum": checksum(writer.crc)}
+
+
+def check_file(path: Path, record: FileRecord) -> str | None:
+    """What is wrong with ``path`` against its manifest ``record``, or None if nothing."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "is missing"
+    if size != record["size"]:
+        return f"is {size} bytes but the manifest says {record['size']} (truncated or overwritten)"
+    crc = 0
+    if size:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            crc = zlib.crc32(m)
+    if checksum(crc) != record["checksum"]:
+        return f"has checksum {checksum(crc)} but the manifest says {record['checksum']} (its bytes were changed)"
+    return None
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (created, renamed files) durable."""
+    if os.name != "posix":  # Windows cannot open directories; NTFS journals metadata
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def swap(a: Path, b: Path) -> bool:
+    """Exchange directories ``a`` and ``b`` atomically (Linux ``renameat2``); False if unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # e.g. a filesystem without exchange
+        return False
+    raise OSError(err, os.strerror(err), str(a), str(b))
+
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path`` after renaming it out of sight, so that no half-deleted copy looks whole."""
+    hidden = path.with_name(f".accelkit-trash-{path.name}-{os.getpid()}")
+    try:
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(hidden, ignore_errors=True)

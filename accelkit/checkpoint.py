@@ -1,0 +1,288 @@
+"""Checkpoints that survive crashes: atomic save, verified safe load, exact resume.
+
+Resuming after an elastic restart (``@ak.distributed(max_restarts=N)``) is two lines at
+the start of the training function, after ``ak.prepare``::
+
+    ckpt = ak.latest_checkpoint("checkpoints")
+    start = ak.load_state(ckpt, model=model, optimizer=opt)["step"] if ckpt else 0
+
+``ak.state().restart_count`` says how many times the group was restarted.
+
+Layout of a checkpoint directory: ``NAME.pt`` per named object (its ``state_dict()``,
+written by the main process), ``rank-R.json`` per rank (RNG states, grad scaler,
+prepared-dataloader positions) and ``manifest.json`` (file sizes and checksums, plain
+values, step, world size, versions), written last.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from . import _commit, _manifest, _rank_state, _safe_io, _state, collectives
+from ._safe_io import CheckpointError
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_state", "save_model", "save_state"]
+
+T = TypeVar("T")
+_TMP = _commit.TMP
+
+
+def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = None, **objects: Any) -> Path:
+    """Save ``objects`` and this job's RNG/scaler/dataloader state to ``directory``, atomically.
+
+    Every rank must call it, with the same arguments. Objects with ``state_dict()`` are
+    saved from the main process; other values must be JSON-able (``load_state`` returns
+    them). Each rank writes into a temporary directory beside ``directory``; once all
+    succeeded, the main process writes the manifest and renames it into place. A crash
+    or an error at any moment leaves the previous checkpoints as they were. With
+    ``keep_last=K``, the oldest committed checkpoints beside it are then pruned to K.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> ak.save_state("ckpt/step-10", model=model, step=10)  # doctest: +SKIP
+        PosixPath('.../ckpt/step-10')
+    """
+    call = f"accelkit.save_state({os.fspath(directory)!r})"
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"{call}: keep_last={keep_last!r}; expected None or an integer >= 1, e.g. keep_last=3")
+    states, values = _split(call, objects)
+    st = _state.get()
+    target = Path(directory).absolute()
+    token = str(collectives.broadcast_object(f"{uuid.uuid4().hex[:12]}|{target}" if st.is_main_process else None))
+    tmp = target.with_name(f"{_TMP}{target.name}-{token[:12]}")
+    if token[13:] != str(target):
+        raise CheckpointError(f"{call} on rank {st.rank}, but rank 0 saves to {token[13:]!r}; pass the same directory")
+    main = st.is_main_process
+    _agree(call, "nothing was written", lambda: _commit.begin(target, tmp) if main else None)
+
+    def write() -> dict[str, _safe_io.FileRecord]:
+        files = {}
+        if main:
+            for name, sd in states.items():
+                files[f"{name}.pt"] = _safe_io.write_file(tmp / f"{name}.pt", _torch_writer(sd))
+        rank_data = json.dumps(_rank_state.capture()).encode()
+        files[f"rank-{st.rank}.json"] = _safe_io.write_file(tmp / f"rank-{st.rank}.json", _bytes_writer(rank_data))
+        return files
+
+    undo = f"nothing was committed; the previous checkpoints are untouched and {tmp.name} is removed by the next save"
+    parts = _agree_all(call, undo, write)
+    files = {name: rec for part in parts for name, rec in part.items()}
+    manifest = _manifest.build(files, sorted(states), values, st.world_size)
+    _agree(call, undo, lambda: _commit.commit(tmp, target, manifest) if main else None)
+    if keep_last is not None:
+        _agree(
+            call,
+            f"{target} was committed but pruning failed",
+            lambda: _commit.prune(target, keep_last) if main else None,
+        )
+    return target
+
+
+def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **objects: Any) -> dict[str, Any]:
+    """Restore ``objects`` and the RNG/scaler/dataloader state from ``directory``; return the plain values.
+
+    Every rank must call it, after ``ak.prepare`` (prepared dataloaders get back their
+    positions, in the order they were prepared). Every file is checked against the
+    manifest (size, checksum) and deserialized first, without executing code from it
+    (``torch.load(weights_only=True)``, JSON); only then is anything changed. A damaged
+    or missing file raises :class:`CheckpointError` naming it on every rank.
+    ``strict=False`` skips this rank's RNG/dataloader state when it does not fit (a
+    different world size) instead of raising.
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> ak.load_state("ckpt/step-10", model=model)  # doctest: +SKIP
+        {'step': 10}
+    """
+    call = f"accelkit.load_state({os.fspath(directory)!r})"
+    for name, obj in objects.items():
+        if not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(
+                f"{call}: {name}={type(obj).__qualname__} has no load_state_dict(); pass objects to restore "
+                f"(plain values saved with save_state are returned: values = ak.load_state(...))"
+            )
+    st = _state.get()
+    path = Path(directory)
+    body, states, mine = _agree(call, "nothing was changed", lambda: _read(path, objects, st, strict))
+    for name, obj in objects.items():
+        try:
+            _unwrapped(obj).load_state_dict(states[name])
+        except Exception as exc:
+            raise CheckpointError(f"{call}: {path / (name + '.pt')} does not fit {name}: {exc}") from exc
+    if mine is not None:
+        _rank_state.apply(mine)
+    return dict(body["values"])
+
+
+def save_model(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
+    """Write the unwrapped ``model``'s weights to ``directory`` (on the main process only).
+
+    ``model.safetensors`` when safetensors is installed (``pip install safetensors``), else
+    ``pytorch_model.bin`` (``torch.save`` of the state dict); either loads with plain torch
+    or safetensors. Returns the file's path, on every rank (no collective: other ranks
+    should ``ak.wait_for_everyone()`` before reading it).
+
+    Example:
+        >>> import accelkit as ak, torch
+        >>> path = ak.save_model(torch.nn.Linear(2, 1), "export")  # doctest: +SKIP
+        >>> torch.load(path, weights_only=True).keys()  # doctest: +SKIP
+        odict_keys(['weight', 'bias'])
+    """
+    from .training import unwrap
+
+    try:  # optional: pip install safetensors
+        safetensors_torch: Any = importlib.import_module("safetensors.torch")
+    except ImportError:
+        safetensors_torch = None
+    target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
+    if not _state.get().is_main_process:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    module, tmp = unwrap(model), target.with_name(f"{_TMP}{target.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        if safetensors_torch is not None:
+            safetensors_torch.save_model(module, str(tmp))
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        else:
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            _safe_io.write_file(tmp, _torch_writer(state))
+        os.replace(tmp, target)
+        _safe_io.fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The most recently committed checkpoint directly under ``root``, or None if there is none.
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.latest_checkpoint("checkpoints")  # e.g. PosixPath('checkpoints/step-300')  # doctest: +SKIP
+    """
+    found = _manifest.committed(Path(root))
+    return found[-1][1] if found else None
+
+
+# --- the steps --------------------------------------------------------------------------------
+
+
+def _unwrapped(obj: Any) -> Any:
+    """Modules without DDP/FSDP/compile wrappers: a checkpoint loads on any number of processes."""
+    from .training import unwrap
+
+    return unwrap(obj) if isinstance(obj, nn.Module) else obj
+
+
+def _torch_writer(state: Any) -> Callable[[Any], None]:
+    return lambda f: torch.save(state, f)
+
+
+def _bytes_writer(data: bytes) -> Callable[[Any], None]:
+    return lambda f: f.write(data)
+
+
+def _split(call: str, objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    states, values = {}, {}
+    for name, obj in objects.items():
+        if not name.isidentifier():
+            raise ValueError(f"{call}: object name {name!r} is not an identifier; name objects like model=...")
+        if callable(getattr(obj, "state_dict", None)):
+            states[name] = _unwrapped(obj).state_dict()
+            continue
+        try:
+            json.dumps(obj)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{call}: {name}={type(obj).__qualname__} {obj!r:.60} has no state_dict() and is not JSON-able "
+                f"({exc}); pass an object with state_dict()/load_state_dict(), or convert it (lists, dicts, "
+                f"numbers, strings)"
+            ) from None
+        values[name] = obj
+    return states, values
+
+
+def _read(path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Any:
+    """Phases one and two: validate every file, then deserialize what this rank needs."""
+    body = _manifest.read(path)
+    files: dict[str, _safe_io.FileRecord] = body["files"]
+    missing = sorted(set(objects) - set(body.get("objects", [])))
+    if missing:
+        raise CheckpointError(f"{path} has no {missing}; it holds {body.get('objects')}, pass those names")
+    rank_file = f"rank-{st.rank}.json"
+    if body.get("world_size") != st.world_size and strict:
+        raise CheckpointError(
+            f"{path} was saved by {body.get('world_size')} processes, this job has {st.world_size}; resume with "
+            f"the same number, or pass strict=False to skip the per-rank RNG and dataloader state"
+        )
+    expected = [f"{name}.pt" for name in body.get("objects", [])]
+    expected += [f"rank-{r}.json" for r in range(body["world_size"])]
+    for name in sorted(set(expected) | set(files)):
+        problem = "is missing from the manifest" if name not in files else _safe_io.check_file(path / name, files[name])
+        if problem:
+            raise CheckpointError(f"{path / name} {problem}; the checkpoint is damaged: load an older one")
+    states = {}
+    for name in objects:
+        try:
+            states[name] = torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"{path / name}.pt was refused: {str(exc).splitlines()[0]}") from None
+    mine = None
+    if rank_file in files and body["world_size"] == st.world_size:  # else strict=False: not this run's ranks
+        try:
+            mine = _rank_state.decode(json.loads((path / rank_file).read_bytes()), st.rank)
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path / rank_file} is malformed: {exc}") from None
+        problem = _rank_state.check_fits(mine)
+        if problem and strict:
+            raise CheckpointError(f"{path / rank_file} does not fit this run: {problem}")
+        mine = None if problem else mine
+    return body, states, mine
+
+
+def _agree(call: str, consequence: str, step: Callable[[], T]) -> T:
+    """Run ``step`` on every rank; its result here, or the same CheckpointError on every rank.
+
+    Every rank must call it: the ranks exchange success or failure (a small message, never
+    the result), so that one rank's error never leaves the others waiting or goes on to a commit.
+    """
+    return _agree_all(call, consequence, step, share=False)[0]
+
+
+def _agree_all(call: str, consequence: str, step: Callable[[], T], share: bool = True) -> list[T]:
+    """:func:`_agree`, returning every rank's result (with ``share``: keep results small)."""
+    st = _state.get()
+    error: Exception | None = None
+    value: Any = None
+    try:
+        value = step()
+        outcome: tuple[bool, Any] = (True, value if share else None)
+    except Exception as exc:
+        error, outcome = exc, (False, _describe(exc))
+    outcomes = collectives.gather_object(outcome) if st.distributed else [outcome]
+    failed = [(rank, text) for rank, (ok, text) in enumerate(outcomes) if not ok]
+    if failed:
+        if isinstance(error, CheckpointError) and not st.distributed:
+            raise error
+        lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
+        raise CheckpointError(f"{call} failed, {consequence}:\n{lines}") from error
+    return [v for _, v in outcomes] if share else [value]
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.errno in (28, 122):  # ENOSPC, EDQUOT
+        where = exc.filename or "the checkpoint directory"
+        return f"no space left on device writing {where} ({exc.strerror}); free some space or save elsewhere"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,383 @@
+"""save_state / load_state / save_model / latest_checkpoint: atomic, verified, exact to resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import signal
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accelkit as ak
+from accelkit import _manifest, _safe_io
+from accelkit.checkpoint import CheckpointError
+from accelkit.testing import WorkerPool, run_distributed
+
+# --- a small run with shuffling and dropout ---------------------------------------------------
+
+
+def make_run() -> tuple[Any, Any, Any, Any]:
+    ak.set_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+    data = torch.Generator().manual_seed(123)
+    dataset = TensorDataset(torch.randn(40, 4, generator=data), torch.randn(40, 1, generator=data))
+    return ak.prepare(model, opt, DataLoader(dataset, batch_size=4, shuffle=True), sched)
+
+
+def train(root: str, total: int, save_every: int = 0, resume: bool = False, crash_at: int = 0) -> list[float]:
+    """Losses of ``total`` steps; saves every ``save_every`` steps; resumes from the latest checkpoint."""
+    model, opt, loader, sched = make_run()
+    step, losses = 0, []
+    ckpt = ak.latest_checkpoint(root) if resume else None
+    if ckpt is not None:
+        values = ak.load_state(ckpt, model=model, optimizer=opt, scheduler=sched)
+        step, losses = values["step"], values["losses"][ak.rank()]
+    while step < total:
+        for x, y in loader:
+            if crash_at and step == crash_at and ak.rank() == 1 and ak.state().restart_count == 0:
+                os._exit(3)  # a worker dies without a word
+            loss = F.mse_loss(model(x), y)
+            ak.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            step += 1
+            if save_every and step % save_every == 0:
+                objects = {"model": model, "optimizer": opt, "scheduler": sched}
+                ak.save_state(f"{root}/step-{step}", keep_last=2, **objects, step=step, losses=ak.gather_object(losses))
+            if step == total:
+                break
+    return losses
+
+
+def elastic_train(root: str) -> tuple[int, list[float]]:
+    return ak.state().restart_count, train(root, 14, save_every=3, resume=True, crash_at=8)
+
+
+def test_resume_is_bit_exact_mid_epoch(tmp_path: Path) -> None:
+    reference = train(str(tmp_path / "ref"), 25)
+    first = train(str(tmp_path / "run"), 13, save_every=13)  # 10 batches per epoch: mid-epoch 2
+    assert first == reference[:13]
+    ak.reset_state()
+    torch.manual_seed(999)  # whatever the RNG was, the checkpoint brings it back
+    assert train(str(tmp_path / "run"), 25, resume=True) == reference
+
+
+def test_resume_is_bit_exact_on_two_processes(pool: WorkerPool, tmp_path: Path) -> None:
+    reference = pool.run(train, str(tmp_path / "ref"), 12)
+    pool.run(train, str(tmp_path / "run"), 7, save_every=7)  # 5 batches per rank and epoch
+    assert sorted(os.listdir(tmp_path / "run" / "step-7")) == [
+        "manifest.json",
+        "model.pt",
+        "optimizer.pt",
+        "rank-0.json",
+        "rank-1.json",
+        "scheduler.pt",
+    ]
+    resumed = pool.run(train, str(tmp_path / "run"), 12, resume=True)
+    assert resumed == reference and reference[0] != reference[1]
+
+
+def test_elastic_restart_resumes_bit_exact(pool: WorkerPool, tmp_path: Path) -> None:
+    reference = pool.run(train, str(tmp_path / "ref"), 14)
+    results = run_distributed(elastic_train, (str(tmp_path / "run"),), max_restarts=1, task_timeout=90)
+    assert [count for count, _ in results] == [1, 1], "rank 1 died once and the group was restarted"
+    assert [losses for _, losses in results] == reference
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-12", "step-9"]  # keep_last=2
+
+
+# --- crashes during a save --------------------------------------------------------------------
+
+
+def small_model(fill: float) -> nn.Module:
+    model = nn.Linear(64, 64)
+    nn.init.constant_(model.weight, fill)
+    return model
+
+
+def saved_fill(directory: Path) -> float:
+    model = small_model(0.0)
+    ak.load_state(directory, model=model)
+    fills = model.weight.unique()
+    assert fills.numel() == 1, "a checkpoint mixes two saves"
+    return float(fills.item())
+
+
+def save_pair(directory: Path, fill: float) -> None:
+    model = small_model(fill)
+    ak.save_state(directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=int(fill))
+
+
+POINTS = [
+    "before-file:model.pt",
+    "mid-file:model.pt",
+    "after-file:model.pt",
+    "mid-file:optimizer.pt",
+    "mid-file:rank-0.json",
+    "before-manifest",
+    "mid-file:manifest.json",
+    "before-rename",
+    "after-rename",
+]
+
+
+def in_child(fn: Callable[[], None]) -> int:
+    """Run ``fn`` in a forked child; its wait status."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            fn()
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1]
+
+
+def kill_at(point: str) -> Callable[[str], None]:
+    def hook(label: str) -> None:
+        if label == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+@pytest.mark.parametrize("same_dir", [False, True], ids=["new-dir", "same-dir"])
+@pytest.mark.parametrize("point", POINTS)
+def test_kill_at_any_point_leaves_old_or_new(tmp_path: Path, point: str, same_dir: bool) -> None:
+    save_pair(tmp_path / "a", 1.0)
+    new = tmp_path / ("a" if same_dir else "b")
+
+    def crash() -> None:
+        _safe_io.crash_hook = kill_at(point)
+        save_pair(new, 2.0)
+
+    status = in_child(crash)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the child did not die at {point}"
+    committed = point == "after-rename"
+    latest = ak.latest_checkpoint(tmp_path)
+    assert latest == (new if committed else tmp_path / "a")
+    assert saved_fill(latest) == (2.0 if committed else 1.0)
+    if not same_dir:
+        assert saved_fill(tmp_path / "a") == 1.0
+    save_pair(tmp_path / "c", 3.0)  # the next save cleans up what the crash left behind
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]
+
+
+@pytest.mark.parametrize("point", ["mid-file:optimizer.pt", "before-rename"])
+def test_an_error_mid_save_commits_nothing(tmp_path: Path, point: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_pair(tmp_path / "a", 1.0)
+
+    def fail(label: str) -> None:
+        if label == point:
+            raise RuntimeError(f"injected at {point}")
+
+    monkeypatch.setattr(_safe_io, "crash_hook", fail)
+    with pytest.raises(CheckpointError, match=f"(?s)nothing was committed.*injected at {point}"):
+        save_pair(tmp_path / "a", 2.0)
+    assert saved_fill(tmp_path / "a") == 1.0 and ak.latest_checkpoint(tmp_path) == tmp_path / "a"
+
+
+@pytest.mark.parametrize("point", ["before-rename", "after-rename", "prune:step-1", "prune:step-2"])
+def test_rotation_never_leaves_zero_checkpoints(tmp_path: Path, point: str) -> None:
+    for step in (1, 2):
+        ak.save_state(tmp_path / f"step-{step}", model=small_model(step), keep_last=1)
+    assert os.listdir(tmp_path) == ["step-2"]
+
+    def crash() -> None:
+        _safe_io.crash_hook = kill_at(point.replace("step-1", "step-2"))
+        ak.save_state(tmp_path / "step-3", model=small_model(3.0), keep_last=1)
+
+    assert os.WIFSIGNALED(in_child(crash)) or point == "prune:step-1"
+    latest = ak.latest_checkpoint(tmp_path)
+    assert latest is not None and saved_fill(latest) in (2.0, 3.0)
+    ak.save_state(tmp_path / "step-4", model=small_model(4.0), keep_last=1)
+    assert os.listdir(tmp_path) == ["step-4"]
+
+
+# --- damaged and malicious files --------------------------------------------------------------
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_files_are_named_and_nothing_is_touched(tmp_path: Path, damage: str) -> None:
+    save_pair(tmp_path / "a", 1.0)
+    names = checkpoint_files(tmp_path / "a")
+    assert names == ["manifest.json", "model.pt", "optimizer.pt", "rank-0.json"]
+    for name in names:
+        path = tmp_path / "a" / name
+        good = path.read_bytes()
+        bad = good[:-7] if damage == "truncate" else good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1])
+        path.write_bytes(bad + (b"" if damage == "truncate" else good[len(good) // 2 + 1 :]))
+        model = small_model(5.0)
+        torch.manual_seed(7)
+        with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+            ak.load_state(tmp_path / "a", model=model)
+        assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state()), f"{name}: the RNG was changed"
+        assert torch.equal(model.weight, small_model(5.0).weight), f"{name}: the model was changed"
+        path.write_bytes(good)
+    assert saved_fill(tmp_path / "a") == 1.0
+
+
+def test_missing_rank_file_is_an_error(tmp_path: Path) -> None:
+    save_pair(tmp_path / "a", 1.0)
+    os.remove(tmp_path / "a" / "rank-0.json")
+    with pytest.raises(CheckpointError, match=r"rank-0\.json is missing"):
+        ak.load_state(tmp_path / "a", model=small_model(0.0))
+
+
+class Payload:
+    """Unpickling this runs code: it creates ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def forge(directory: Path, name: str, data: bytes) -> None:
+    """Replace ``name`` by ``data`` and re-sign the manifest, as an attacker would."""
+    (directory / name).write_bytes(data)
+    if name == _manifest.MANIFEST:
+        return
+    body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
+    body["files"][name] = {"size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}"}
+    forged = _manifest.build(body["files"], body["objects"], body["values"], body["world_size"])
+    (directory / _manifest.MANIFEST).write_bytes(forged)
+
+
+def test_no_code_runs_from_any_checkpoint_file(tmp_path: Path) -> None:
+    proof = tmp_path / "payload-works"
+    pickle.loads(pickle.dumps(Payload(str(proof))))
+    assert proof.exists(), "the payload must run when unpickled without restrictions"
+    marker = tmp_path / "pwned"
+    save_pair(tmp_path / "a", 1.0)
+    for name in checkpoint_files(tmp_path / "a"):
+        directory = tmp_path / f"evil-{name}"
+        save_pair(directory, 1.0)
+        if name.endswith(".pt"):
+            evil = tmp_path / "evil.pt"
+            torch.save({"weight": Payload(str(marker))}, evil)
+            forge(directory, name, evil.read_bytes())
+        else:
+            forge(directory, name, pickle.dumps(Payload(str(marker))))
+        model = small_model(0.0)
+        with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+            ak.load_state(directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert not marker.exists(), f"code from {name} ran"
+
+
+# --- disk full --------------------------------------------------------------------------------
+
+
+def full_disk(*args: Any) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_disk_full_raises_and_keeps_the_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_pair(tmp_path / "a", 1.0)
+    monkeypatch.setattr(_safe_io, "_write", full_disk)
+    with pytest.raises(CheckpointError, match=r"no space left on device writing .*model\.pt.*free some space"):
+        save_pair(tmp_path / "b", 2.0)
+    monkeypatch.undo()
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and saved_fill(tmp_path / "a") == 1.0
+    assert not (tmp_path / "b").exists()
+
+
+def save_with_full_disk_on_rank_1(root: str) -> None:
+    ak.save_state(f"{root}/a", model=ak.prepare(small_model(1.0)), step=1)
+    write = _safe_io._write
+    if ak.rank() == 1:
+        _safe_io._write = full_disk
+    try:
+        ak.save_state(f"{root}/b", model=ak.prepare(small_model(2.0)), step=2)
+    finally:
+        _safe_io._write = write
+
+
+def test_disk_full_on_one_rank_fails_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    with pytest.raises(ak.WorkerError) as info:
+        pool.run(save_with_full_disk_on_rank_1, str(tmp_path))
+    failures = info.value.failures
+    assert sorted(f.rank for f in failures) == [0, 1] and all(f.exc_type.endswith("CheckpointError") for f in failures)
+    assert all("rank 1: no space left on device writing" in f.message for f in failures)
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and not (tmp_path / "b").exists()
+
+
+# --- the rest of the contract -----------------------------------------------------------------
+
+
+def export(directory: str) -> str:
+    return str(ak.save_model(ak.prepare(small_model(1.5)), directory))
+
+
+def test_save_model_writes_unwrapped_weights_once(pool: WorkerPool, tmp_path: Path) -> None:
+    paths = pool.run(export, str(tmp_path / "export"))
+    assert paths[0] == paths[1] and os.listdir(tmp_path / "export") == [os.path.basename(paths[0])]
+    weights = torch.load(paths[0], weights_only=True)  # plain torch, no accelkit
+    assert sorted(weights) == ["bias", "weight"] and bool((weights["weight"] == 1.5).all())
+
+
+def test_fp16_scaler_and_plain_values_round_trip(tmp_path: Path) -> None:
+    ak.init(precision="fp16")
+    model = small_model(1.0)
+    opt = ak.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    ak.backward(model(torch.ones(1, 64)).sum())
+    opt.step()
+    ak._state.training.scaler.update(1234.0)
+    ak.save_state(tmp_path / "a", model=model, optimizer=opt, step=3, note={"name": "x", "lr": [0.1, 1e-300]})
+    ak.reset_state()
+    ak.init(precision="fp16")
+    opt = ak.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    values = ak.load_state(tmp_path / "a", model=model, optimizer=opt)
+    assert values == {"step": 3, "note": {"name": "x", "lr": [0.1, 1e-300]}}
+    assert ak._state.training.scaler.get_scale() == 1234.0
+
+
+def test_errors_say_what_and_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"seen=set .*not JSON-able.*convert it"):
+        ak.save_state(tmp_path / "a", seen={1, 2})
+    with pytest.raises(ValueError, match=r"keep_last=0.*integer >= 1"):
+        ak.save_state(tmp_path / "a", keep_last=0)
+    save_pair(tmp_path / "a", 1.0)
+    with pytest.raises(CheckpointError, match=r"has no \['ema'\]; it holds \['model', 'optimizer'\]"):
+        ak.load_state(tmp_path / "a", ema=small_model(0.0))
+    with pytest.raises(CheckpointError, match=r"no manifest\.json"):
+        ak.load_state(tmp_path, model=small_model(0.0))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="is not an accelkit checkpoint; save elsewhere"):
+        save_pair(tmp_path / "mine", 1.0)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    loader = ak.prepare(DataLoader(range(8), batch_size=2))
+    with pytest.raises(CheckpointError, match=r"positions of 0 prepared dataloader\(s\) but this process prepared 1"):
+        ak.load_state(tmp_path / "a")
+    del loader
+
+
+def test_a_two_process_checkpoint_needs_two_processes(pool: WorkerPool, tmp_path: Path) -> None:
+    pool.run(train, str(tmp_path), 2, save_every=2)
+    model, *_ = make_run()
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes, this job has 1.*strict=False"):
+        ak.load_state(tmp_path / "step-2", model=model)
+    rng = torch.get_rng_state()
+    assert ak.load_state(tmp_path / "step-2", strict=False, model=model)["step"] == 2
+    assert torch.equal(torch.get_rng_state(), rng), "strict=False leaves the per-rank state of another world size"
