@@ -181,11 +181,6 @@ def test_single_process_control() -> None:
         assert mine == [1, 2, 3]
 
 
-def test_decorators_decide_at_call_time() -> None:
-    assert not ak.is_initialized()  # decorating at import initialised nothing
-    assert main_only(1) == 1
-
-
 def test_on_process_misuse() -> None:
     with pytest.raises(TypeError, match=r"@ak.on_process\(0\)"):
         ak.on_process(main_only)  # type: ignore[arg-type]

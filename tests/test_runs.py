@@ -109,8 +109,17 @@ import torch
 before = set(sys.modules)
 import accelkit as ak
 ak.distributed, ak.get_logger, ak.split_between_processes, ak.state  # touch the API
+
+@ak.distributed(num_processes=2)
+@ak.on_main_process
+def decorated() -> None: ...
+
+@ak.find_executable_batch_size(starting_batch_size=8)
+def sized(batch_size: int) -> None: ...
+
 after = set(sys.modules)
 print(json.dumps({
+    "state": ak.is_initialized(),
     "new": sorted(after - before),
     "dist": torch.distributed.is_initialized(),
     "cuda": torch.cuda.is_initialized(),
@@ -122,7 +131,7 @@ def test_import_initialises_nothing_and_stays_light() -> None:
     done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert not report["dist"] and not report["cuda"]
+    assert not report["dist"] and not report["cuda"] and not report["state"]
     heavy = ("torch.distributed.elastic", "torch.distributed.fsdp", "torch._dynamo", "deepspeed", "yaml",
              "tensorboard", "tqdm", "safetensors", "torch.distributed.launcher")  # fmt: skip
     assert [m for m in report["new"] if m.startswith(heavy)] == []
