@@ -166,7 +166,6 @@ class WorkerPool:
                 try:
                     got_task, ok, value = pickle.loads(ready.recv_bytes())  # type: ignore[union-attr]
                 except EOFError:  # the worker is gone
-                    self._procs[rank].join(1)
                     failures[rank] = _died(rank, self._procs[rank])
                     pending.discard(rank)
                     continue
@@ -226,6 +225,7 @@ def _failure(rank: int, exc: BaseException) -> WorkerFailure:
 
 
 def _died(rank: int, proc: multiprocessing.process.BaseProcess) -> WorkerFailure:
+    proc.join(5)  # reap it, so that its exit code is known
     return WorkerFailure(rank, rank, proc.pid, proc.exitcode, "", "", "", time.time())
 
 
