@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _env, _state
+from ._notebook import flush_std_streams, whole_lines_to_notebook
 from .errors import WorkerError, WorkerFailure
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -95,7 +96,8 @@ def run_workers(
         min_nodes=config.num_nodes,
         max_nodes=config.num_nodes,
         nproc_per_node=config.num_processes,
-        run_id=f"accelkit-{uuid.uuid4().hex[:12]}",
+        # Every node's agent keys the rendezvous by run id: the nodes of one job must agree on it.
+        run_id=f"accelkit-{port}" if config.num_nodes > 1 else f"accelkit-{uuid.uuid4().hex[:12]}",
         rdzv_backend="static",
         rdzv_endpoint=f"{config.master_addr}:{port}",
         rdzv_configs={"rank": config.node_rank},
@@ -104,6 +106,8 @@ def run_workers(
         start_method=config.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
     )
+    if config.start_method == "fork":
+        flush_std_streams()  # or forked workers print what this process still buffers
     try:
         with _quiet_agent(config.quiet), _restore_env("TORCHELASTIC_SIGNALS_TO_HANDLE"):
             return launch_agent(launch_config, worker_main, [job])
@@ -116,6 +120,7 @@ def run_workers(
 def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
     os.environ.update(job.env)
+    whole_lines_to_notebook()
     if job.threads:
         import torch
 

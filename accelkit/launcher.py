@@ -124,6 +124,14 @@ def launch(
 
     Takes the options of :func:`distributed`. Returns rank 0's return value.
 
+    In a notebook (an interactive ``__main__``) the workers are forked, so ``fn`` may be
+    defined in a cell; each worker's prints reach the cell as whole lines while it runs.
+    Before forking it refuses, with :class:`ak.StateError`, when CUDA or a
+    ``torch.distributed`` process group already exists in this process: forked workers
+    cannot use either. A world-size-1 accelkit state is simply reset. In debug mode
+    (``debug=True`` or ``ACCELKIT_DEBUG=1``) a dry launch with the same options first
+    checks that the workers start, form their process group and meet at a barrier.
+
     Example:
         >>> import accelkit as ak
         >>> ak.launch(print, ("hello",), num_processes=1)
@@ -172,10 +180,17 @@ def _call(
     if num_processes == 1 and launch_options.num_nodes == 1:
         _state.init(**state_options)
         return run(*args, **kwargs)
+    start_method = launch_options.start_method or _default_start_method()
+    if start_method == "fork":
+        from ._notebook import refuse_unsafe_fork
+
+        refuse_unsafe_fork(num_processes * launch_options.num_nodes)
     if _state.is_initialized():
         # Workers build their own state; a live one here would be duplicated by fork.
         _state.reset_state()
     from ._agent import AgentConfig, FunctionRef, run_workers  # only the launching process needs it
+
+    debug = Options.resolve(state_options, "accelkit.launch").debug  # ACCELKIT_DEBUG included
 
     target: Any = (
         FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _DistributedFunction) else fn
@@ -187,10 +202,15 @@ def _call(
         master_addr=launch_options.master_addr,
         master_port=launch_options.master_port,
         max_restarts=launch_options.max_restarts,
-        start_method=launch_options.start_method or _default_start_method(),
-        quiet=not state_options.get("debug", False),
+        start_method=start_method,
+        quiet=not debug,
     )
-    results = run_workers(target, args, kwargs, config, _env.option_env(state_options))
+    env = _env.option_env(state_options)
+    if debug:
+        from ._notebook import preflight_launch
+
+        preflight_launch(config, env)
+    results = run_workers(target, args, kwargs, config, env)
     return results.get(0)
 
 
