@@ -8,9 +8,10 @@ in the same order. In debug mode the ranks first compare their calls (see ``_deb
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NoReturn, TypeVar, get_args
 
 import torch
@@ -45,10 +46,8 @@ def gather(data: T) -> T:
     leaves, spec = _inputs(st, "gather", {}, data)
     if not st.distributed:
         return data
-    try:
+    with _communication(st, "gather"):
         out = _exchange.gather(leaves, st.world_size)
-    except _exchange.CommunicationError as exc:
-        _failed("gather", st, exc)
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
@@ -69,10 +68,8 @@ def reduce(data: T, op: ReduceOp = "mean") -> T:
     leaves, spec = _inputs(st, "reduce", {"op": op}, data, _reduce_check(op))
     if not st.distributed:
         return data
-    try:
+    with _communication(st, "reduce"):
         out = _exchange.reduce(leaves, op, st.world_size)
-    except _exchange.CommunicationError as exc:
-        _failed("reduce", st, exc)
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
@@ -91,10 +88,8 @@ def broadcast(data: T, src: int = 0) -> T:
     leaves, spec = _inputs(st, "broadcast", {"src": src}, data, lambda _, __: _check_src("broadcast", src, st))
     if not st.distributed:
         return data
-    try:
+    with _communication(st, "broadcast"):
         out = _exchange.broadcast(leaves, src, st.rank)
-    except _exchange.CommunicationError as exc:
-        _failed("broadcast", st, exc)
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
@@ -116,10 +111,8 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
         return data
     dims = [dim % x.dim() for x in leaves]
     lengths = [x.shape[d] for x, d in zip(leaves, dims, strict=True)]
-    try:
+    with _communication(st, "pad_across_processes"):
         sizes = _exchange.max_sizes(lengths, st.device, st.world_size)
-    except _exchange.CommunicationError as exc:
-        _failed("pad_across_processes", st, exc)
     return _tree.unflatten(spec, _exchange.pad(leaves, dims, sizes, pad_index, pad_first))  # type: ignore[no-any-return]
 
 
@@ -138,10 +131,8 @@ def gather_object(obj: Any) -> list[Any]:
     if not st.distributed:
         return [obj]
     payload = _objects(st, "gather_object", {}, lambda: _dumps("gather_object", obj))
-    try:
+    with _communication(st, "gather_object"):
         blobs = _exchange.gather_bytes(payload, st.device, st.world_size)
-    except _exchange.CommunicationError as exc:
-        _failed("gather_object", st, exc)
     return [_exchange.loads(b) for b in blobs]
 
 
@@ -165,10 +156,8 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     payload = _objects(st, "broadcast_object", {"src": src}, prepare)
     if not st.distributed:
         return obj
-    try:
+    with _communication(st, "broadcast_object"):
         blob = _exchange.broadcast_bytes(payload, src, st.rank, st.device)
-    except _exchange.CommunicationError as exc:
-        _failed("broadcast_object", st, exc)
     return _exchange.loads(blob)  # type: ignore[no-any-return]
 
 
@@ -207,10 +196,8 @@ def _objects(st: ProcessState, op: str, params: dict[str, Any], prepare: Callabl
 
 
 def _compare(st: ProcessState, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-    try:
+    with _communication(st, op):
         _debug.check(st, op, params, *args, **kwargs)
-    except _exchange.CommunicationError as exc:
-        _failed(op, st, exc)
 
 
 def _reduce_check(op: str) -> Check:
@@ -277,6 +264,15 @@ def _dumps(op: str, obj: Any) -> bytes:
             f"accelkit.{op} cannot send {type(obj).__name__} {obj!r:.80}: it cannot be pickled ({exc}). "
             f"Send plain data (numbers, strings, lists, dicts, tensors) instead."
         ) from exc
+
+
+@contextlib.contextmanager
+def _communication(st: ProcessState, op: str) -> Iterator[None]:
+    """Turn a backend failure in the body into an error naming ``op``."""
+    try:
+        yield
+    except _exchange.CommunicationError as exc:
+        _failed(op, st, exc)
 
 
 def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError) -> NoReturn:
