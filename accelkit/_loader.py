@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import _state
+from . import _state, _tree
 from ._sampling import EpochRecord, ShardedBatchSampler, ShardedIterable
 
 __all__ = ["ActiveLoader", "Plan", "PreparedDataLoader"]
@@ -107,13 +107,18 @@ class PreparedDataLoader(DataLoader[Any]):
         entry = ActiveLoader(plan.ragged)
         active = _state.training.active_loaders
         active.append(entry)
+        device, non_blocking = plan.device, plan.non_blocking
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
         try:
             for batch in batches:
                 n += 1
                 if n == record.num_batches:
                     entry.at_last_batch, entry.padding, entry.global_size = True, record.padding, record.global_size
                 self._yielded = n
-                yield batch if plan.device is None else _to_device(batch, plan.device, plan.non_blocking)
+                yield batch if plan.device is None else _tree.apply_to_tensors(move, batch)
             self._running = False
         finally:  # also on an exception, and on close() / garbage collection after a break
             for i in range(len(active) - 1, -1, -1):
@@ -149,21 +154,3 @@ def _mark_last(batches: Iterator[Any], record: EpochRecord) -> Iterator[Any]:
             record.num_batches = n
         yield current
         current = following
-
-
-def _to_device(x: Any, device: torch.device, non_blocking: bool) -> Any:
-    """``x`` with every tensor in its dicts, lists and tuples moved to ``device``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=non_blocking)
-    if isinstance(x, Mapping):
-        moved = {k: _to_device(v, device, non_blocking) for k, v in x.items()}
-        cls: Any = type(x)
-        try:
-            return cls(moved)
-        except TypeError:  # e.g. a defaultdict, which wants its factory first
-            return moved
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_to_device(v, device, non_blocking) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device, non_blocking) for v in x)
-    return x

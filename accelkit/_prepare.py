@@ -8,7 +8,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import nn
 
-from . import _state
+from . import _state, _tree
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import autocast
 
@@ -102,20 +102,14 @@ def _autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
         with autocast(mode, device_type):
             outputs = forward(*args, **kwargs)
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
-        return _to_fp32(outputs)
+        return _tree.apply_to_tensors(_to_fp32, outputs)
 
     forward_in_precision.__accelkit_forward__ = forward  # type: ignore[attr-defined]
     model.forward = forward_in_precision
 
 
-def _to_fp32(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-        return type(x)(_to_fp32(v) for v in x)
-    if isinstance(x, dict):
-        return type(x)({k: _to_fp32(v) for k, v in x.items()})
-    return x  # anything else (None, namedtuples, custom outputs) as it is
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def _prepare_optimizer(optimizer: torch.optim.Optimizer) -> PreparedOptimizer:

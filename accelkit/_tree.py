@@ -22,7 +22,7 @@ import torch
 
 T = TypeVar("T")
 
-__all__ = ["TreeSpec", "describe", "flatten", "leaf_paths", "map_tensors", "unflatten"]
+__all__ = ["TreeSpec", "apply_to_tensors", "describe", "flatten", "leaf_paths", "map_tensors", "unflatten"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,28 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], data: T, call: str) 
     """``data`` with ``fn`` applied to every tensor, same structure and container types."""
     leaves, spec = flatten(data, call)
     return unflatten(spec, [fn(t) for t in leaves])  # type: ignore[no-any-return]
+
+
+def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """``data`` with ``fn`` applied to the tensors in its dicts, lists, tuples and namedtuples.
+
+    Unlike :func:`map_tensors`, any other leaf (a string, ``None``, a custom object) passes
+    through unchanged: for batches and model outputs, which may hold more than tensors.
+    """
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        moved = {k: apply_to_tensors(fn, v) for k, v in data.items()}
+        cls: Any = type(data)
+        try:
+            return cls(moved)
+        except TypeError:  # e.g. a defaultdict, which wants its factory first
+            return moved
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(apply_to_tensors(fn, v) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(apply_to_tensors(fn, v) for v in data)
+    return data
 
 
 def leaf_paths(spec: TreeSpec, root: str = "data") -> list[str]:
