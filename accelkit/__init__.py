@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load on first use
-    from ._precision import precision
-    from ._prepare import prepare
     from ._state import ProcessState, init, is_initialized, reset_state
     from .checkpoint import latest_checkpoint, load_state, save_model, save_state
     from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
@@ -47,13 +45,23 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         world_size,
     )
     from .split import split_between_processes
-    from .training import accumulate, backward, clip_grad_norm_, clip_grad_value_, no_sync, sync_gradients, unwrap
+    from .training import (
+        accumulate,
+        backward,
+        clip_grad_norm_,
+        clip_grad_value_,
+        no_sync,
+        precision,
+        prepare,
+        sync_gradients,
+        unwrap,
+    )
 
 # public name -> the module that defines it
 _HOMES: dict[str, str] = {
     "CheckpointError": ".errors",
-    "precision": "._precision",
-    "prepare": "._prepare",
+    "precision": ".training",
+    "prepare": ".training",
     "ProcessState": "._state",
     "init": "._state",
     "is_initialized": "._state",

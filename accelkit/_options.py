@@ -18,6 +18,7 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 DIST_BACKENDS: tuple[str, ...] = get_args(DistBackend)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before the job fails
+DEFAULT_RDZV_TIMEOUT = 300.0  # seconds the nodes of a job wait for each other
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class Options:
         An option given in code that ``accelkit launch`` also received as a flag (listed in
         ``ACCELKIT_LAUNCH_FLAGS``) must agree with it: a conflict is an error naming both.
         """
-        from . import _config
+
+        from .config import _file as _config
 
         from_config = _config.state_options()  # validated when the file was read
         from_env = validate({n: _from_env(n, str(raw)) for n, raw in _env.option_overrides().items()}, call)

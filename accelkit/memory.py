@@ -43,8 +43,8 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from . import _state
-from ._agreement import Team, break_group, drop_frames, is_lost_peer, summary
 from ._backends import select_backend
+from ._oom_agreement import Team, break_group, drop_frames, is_lost_peer, summary
 
 P = ParamSpec("P")
 R = TypeVar("R")

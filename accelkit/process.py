@@ -266,6 +266,6 @@ def check_breakpoint() -> bool:
 def _check_agreement(st: ProcessState, op: str) -> None:
     """In debug mode, make sure every rank is in this same call before entering it."""
     if st.options.debug:
-        from .collectives import _compare
+        from .collectives._api import _compare
 
         _compare(st, op, {})

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _env, _options, _state
-from ._agent import AgentConfig, check_picklable, exception_name, free_port, run_workers, user_traceback
 from .errors import WorkerError, WorkerFailure
+from .launcher._agent import AgentConfig, check_picklable, exception_name, free_port, run_workers, user_traceback
 
 __all__ = ["WorkerPool", "run_distributed"]
 

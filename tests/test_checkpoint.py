@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelkit as ak
-from accelkit import _manifest, _safe_io
-from accelkit.checkpoint import CheckpointError
+from accelkit import _safe_io
+from accelkit.checkpoint import CheckpointError, _manifest
 from accelkit.testing import WorkerPool, run_distributed
 
 # --- a small run with shuffling and dropout ---------------------------------------------------

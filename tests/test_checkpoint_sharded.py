@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import accelkit as ak
-from accelkit import _commit, _manifest, _safe_io
-from accelkit.checkpoint import CheckpointError
+from accelkit import _safe_io
+from accelkit.checkpoint import CheckpointError, _commit, _manifest
 from accelkit.testing import WorkerPool, run_distributed
 
 # --- a small sharded run ----------------------------------------------------------------------

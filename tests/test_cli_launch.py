@@ -28,7 +28,7 @@ CLI = "import sys; from accelkit.cli import main; sys.exit(main())"
 
 def _plan(*argv: str) -> Plan:
     """What `accelkit launch ARGV` would run, with the config file it would read."""
-    from accelkit import _config
+    from accelkit.config import _file as _config
 
     args = build_parser().parse_args(["launch", *argv])
     path = _config.config_path(args.config_file)
@@ -167,7 +167,7 @@ def test_bad_values_from_the_environment_or_the_config_stop_the_launch(
 
 
 def test_mpirun_command() -> None:
-    program = ["python", "-m", "accelkit._script", "t.py", "--lr", "1"]
+    program = ["python", "-m", "accelkit.cli._worker", "t.py", "--lr", "1"]
     assert mpirun_command("mpirun", 4, program, ["ACCELKIT_CPU", "MASTER_PORT"]) == [
         "mpirun", "-np", "4", "-x", "ACCELKIT_CPU", "-x", "MASTER_PORT", *program,
     ]  # fmt: skip

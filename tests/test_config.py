@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import accelkit as ak
-from accelkit import _config
 from accelkit._options import DEFAULT_TIMEOUT, Options
 from accelkit.cli import main as cli
+from accelkit.config import _file as _config
 from accelkit.errors import ConfigurationError
 
 
@@ -163,7 +163,7 @@ def test_state_options_follow_edits_of_the_file(tmp_path: Path, monkeypatch: pyt
 
 
 def test_without_a_config_file_yaml_is_not_imported(tmp_path: Path) -> None:
-    probe = "import sys, accelkit._config as c; print(c.state_options(), 'yaml' in sys.modules)"
+    probe = "import sys, accelkit.config._file as c; print(c.state_options(), 'yaml' in sys.modules)"
     for extra in ({}, {"ACCELKIT_CONFIG_FILE": "x"}):
         env = _subprocess_env(XDG_CONFIG_HOME=str(tmp_path))
         env.pop("ACCELKIT_CONFIG_FILE") if extra else None  # unset: the default path, which does not exist

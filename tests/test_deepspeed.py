@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import accelkit as ak
-from accelkit._deepspeed import DEFAULT_CONFIG, fill_auto, load_config, set_defaults
+from accelkit._strategies.deepspeed import DEFAULT_CONFIG, fill_auto, load_config, set_defaults
 from accelkit.errors import ConfigurationError
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -216,7 +216,7 @@ def test_bad_policy_options_name_the_value() -> None:
 
 
 def test_a_wrap_name_close_to_a_class_is_suggested() -> None:
-    from accelkit._fsdp import select_units
+    from accelkit._strategies.fsdp import select_units
 
     with pytest.raises(ConfigurationError, match="did you mean 'Block'"):
         select_units(make_model(), wrap=("Blok",))

@@ -62,7 +62,7 @@ def hostfile_hosts(path: str) -> list[str]:
 
 def run_mpirun(plan: Plan) -> int:
     """Start the script under ``mpirun``; the exit code (failed ranks named on stderr)."""
-    from .._agent import free_port
+    from ..launcher._agent import free_port
     from .launch import _describe, _num_processes, _warn
 
     mpirun = shutil.which("mpirun")
@@ -113,7 +113,7 @@ def _check_open_mpi(mpirun: str) -> None:
         first = version.splitlines()[0] if version else "silent about its version"
         raise ConfigurationError(
             f"--mpirun builds Open MPI's command line, but {mpirun} is {first!r}. Install Open MPI, or start "
-            f"the processes with your MPI yourself: mpirun -n N {sys.executable} -m accelkit._script script.py "
+            f"the processes with your MPI yourself: mpirun -n N {sys.executable} -m accelkit.cli._worker script.py "
             f"(accelkit reads the rank from MPICH / Intel MPI variables too)"
         )
 
@@ -133,7 +133,7 @@ def _wait_mpirun(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
         return 130
     if code == 0:
         return 0
-    from .._agent import collect_failures
+    from ..launcher._agent import collect_failures
 
     error = collect_failures(run_dir, {})
     if error.failures:

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._config import default_config_path, write_config
-    from ..config import _write_basic
+    from ..config._basic import _write_basic
+    from ..config._file import default_config_path, write_config
     from ..errors import ConfigurationError
 
     path = Path(args.config_file).expanduser() if args.config_file else default_config_path()

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         - accelkit: 0.1.0
         ...
     """
-    from .. import _sysinfo
+    from . import _sysinfo
 
     print("### System")
     _print_items(_sysinfo.facts())
@@ -56,7 +56,8 @@ def load_config(config_file: str | None) -> tuple[str | None, Any]:
 
     ``(None, None)`` when there is none. Raises the config loader's error for a broken file.
     """
-    from .. import _config
+
+    from ..config import _file as _config
 
     config_path = getattr(_config, "config_path", None)
     load = getattr(_config, "load_config", None)

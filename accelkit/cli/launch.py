@@ -3,7 +3,7 @@
 Each setting comes from (highest first) its flag, its ``ACCELKIT_*`` variable (process-state
 options only), the config file, its default. The workers run on PyTorch's elastic agent
 (torchrun's engine), or under Open MPI's ``mpirun`` with ``--mpirun``; either way each one
-runs the script through :mod:`accelkit._script`, and the options reach it as ``ACCELKIT_*``
+runs the script through :mod:`accelkit.cli._worker`, and the options reach it as ``ACCELKIT_*``
 variables. Nothing here imports torch until a launch really starts.
 """
 
@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import _env
-from .._options import PRECISIONS, STRATEGIES, validate
-from .._rendezvous import DEFAULT_RDZV_TIMEOUT
+from .._options import DEFAULT_RDZV_TIMEOUT, PRECISIONS, STRATEGIES, validate
 from ..errors import ConfigurationError
 from ._types import int_at_least
 
 if TYPE_CHECKING:
-    from .._config import ConfigFile
+    from ..config._file import ConfigFile
 
 RDZV_BACKENDS = ("static", "c10d")
 # State options that have a flag here; their values reach the workers as ACCELKIT_* variables.
@@ -156,7 +155,7 @@ class Plan:
 
     def program(self) -> list[str]:
         """The workers' arguments after ``python``."""
-        return ["-m", "accelkit._script", *(["--module"] if self.module else []), self.target, *self.script_args]
+        return ["-m", "accelkit.cli._worker", *(["--module"] if self.module else []), self.target, *self.script_args]
 
 
 def resolve(args: argparse.Namespace, config: ConfigFile | None = None) -> Plan:
@@ -297,10 +296,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_config(explicit: str | None) -> ConfigFile | None:
-    from .. import _config
 
-    path = _config.config_path(explicit)
-    return _config.load_config(path) if path is not None else None
+    from ..config import config_path, load_config
+
+    path = config_path(explicit)
+    return load_config(path) if path is not None else None
 
 
 def _num_processes(plan: Plan) -> int:
@@ -318,7 +318,7 @@ def _num_processes(plan: Plan) -> int:
 
 def _warn(num_local_processes: int) -> None:
     try:
-        from .._sysinfo import launch_warnings
+        from ._sysinfo import launch_warnings
     except ImportError:  # pragma: no cover - a partial install
         return
     for warning in launch_warnings(num_local_processes):
@@ -336,8 +336,8 @@ def _describe(plan: Plan, head: str) -> None:
 def _run_agent(plan: Plan) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from .._agent import AgentConfig, Command, run_workers
     from ..errors import WorkerError
+    from ..launcher._agent import AgentConfig, Command, run_workers
 
     launch, debug = plan.launch, bool(plan.options.get("debug"))
     nprocs = _num_processes(plan)

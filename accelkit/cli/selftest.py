@@ -1,6 +1,6 @@
 """``accelkit test``: a short real distributed sanity run with the config in effect.
 
-Starts the workers with ``ak.launch`` and runs :func:`accelkit._selftest.run_checks` in
+Starts the workers with ``ak.launch`` and runs :func:`accelkit.cli._checks.run_checks` in
 each: ranks, collectives, a barrier, a few DDP steps, the precision and debug mode. Prints
 one line per check and a summary. Exit status 0 when every check passed, 1 when one
 failed (naming the check and the ranks), 2 for bad input.
@@ -54,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
         ...
     """
     import accelkit as ak
-    from accelkit import _env, _selftest
+    from accelkit import _env
     from accelkit._options import Options
+
+    from . import _checks
 
     try:
         path, config = load_config(args.config_file)
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         results = ak.launch(
-            _selftest.run_checks, (n,), {"fault_rank": args.fault_rank}, num_processes=n, timeout=_TIMEOUT, **options
+            _checks.run_checks, (n,), {"fault_rank": args.fault_rank}, num_processes=n, timeout=_TIMEOUT, **options
         )
     except ak.WorkerError as exc:
         print(f"FAILED: a worker stopped before the checks finished.\n{exc}")
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(results: list[Any], n: int, seconds: float) -> int:
-    from accelkit._selftest import CHECK_NAMES
+    from ._checks import CHECK_NAMES
 
     for result in results:
         if result.ok:

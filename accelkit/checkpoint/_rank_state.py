@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _state
+from .. import _state
 
 __all__ = ["RankState", "apply", "capture", "decode", "live_loaders"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import _state, _tree
+from .. import _state, _tree
 from ._sampling import EpochRecord, ShardedBatchSampler, ShardedIterable
 
 __all__ = ["ActiveLoader", "Plan", "PreparedDataLoader"]

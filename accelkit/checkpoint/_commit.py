@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .._safe_io import CheckpointError, crash_point, fsync_dir, remove_tree, swap, write_file
 from . import _manifest
 from ._manifest import committed
-from ._safe_io import CheckpointError, crash_point, fsync_dir, remove_tree, swap, write_file
 
 __all__ = ["TMP", "begin", "commit", "is_checkpoint", "prune"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ._config import default_config_path, write_config
-from ._options import validate
-from .errors import ConfigurationError
+from .._options import validate
+from ..errors import ConfigurationError
+from ._file import default_config_path, write_config
 
 __all__ = ["write_basic_config"]
 

@@ -11,7 +11,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from . import _fsdp, _state
+from .. import _state
+from .._strategies import fsdp as _fsdp
 
 __all__ = [
     "accumulate",

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from . import _exchange, _tree
-from ._state import ProcessState
-from .errors import DistributedOperationError
+from .. import _tree
+from .._state import ProcessState
+from ..errors import DistributedOperationError
+from . import _exchange
 
 __all__ = ["check"]
 

@@ -49,7 +49,7 @@ def run_checks(expected_world_size: int, fault_rank: int | None = None) -> list[
 
     Example:
         >>> import accelkit as ak
-        >>> from accelkit._selftest import run_checks
+        >>> from accelkit.cli._checks import run_checks
         >>> [r.name for r in ak.launch(run_checks, (2,), num_processes=2, cpu=True)]  # doctest: +SKIP
         ['processes', 'reduce', 'gather', 'broadcast', 'barrier', 'training', 'precision', 'debug mode']
     """

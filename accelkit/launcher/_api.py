@@ -11,9 +11,9 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 from typing_extensions import ParamSpec
 
-from . import _env, _state
-from ._options import Options, validate
-from .errors import ConfigurationError
+from .. import _env, _state
+from .._options import Options, validate
+from ..errors import ConfigurationError
 
 P = ParamSpec("P")
 R = TypeVar("R")

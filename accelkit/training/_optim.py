@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _state
+from .. import _state
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

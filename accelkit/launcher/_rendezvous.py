@@ -17,12 +17,10 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ._agent import AgentConfig
-
-DEFAULT_RDZV_TIMEOUT = 300.0  # seconds the nodes of a job wait for each other
 
 
 @contextlib.contextmanager

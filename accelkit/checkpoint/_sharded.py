@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from . import _safe_io
-from ._optim import PreparedOptimizer
-from .errors import CheckpointError
+from .. import _safe_io
+from ..errors import CheckpointError
+from ..training._optim import PreparedOptimizer
 
 __all__ = [
     "SUFFIX",

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from ._version import __version__
+from .._version import __version__
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -47,7 +47,7 @@ def facts() -> dict[str, str]:
     Imports torch (and may initialise CUDA) to list the devices.
 
     Example:
-        >>> from accelkit._sysinfo import facts
+        >>> from accelkit.cli._sysinfo import facts
         >>> facts()["python"]  # doctest: +SKIP
         '3.11.9 (CPython)'
     """
@@ -90,7 +90,7 @@ def launch_warnings(num_local_processes: int) -> list[str]:
     ``CUDA_VISIBLE_DEVICES`` is set, since it already picks the devices).
 
     Example:
-        >>> from accelkit._sysinfo import launch_warnings
+        >>> from accelkit.cli._sysinfo import launch_warnings
         >>> launch_warnings(1)  # doctest: +SKIP
         []
     """

@@ -6,8 +6,8 @@ import contextlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-from . import _state
-from .errors import StateError, WorkerError
+from .. import _state
+from ..errors import StateError, WorkerError
 
 if TYPE_CHECKING:
     from ._agent import AgentConfig
@@ -54,7 +54,7 @@ def _cuda_suspects() -> str:
 
 def _preflight() -> None:
     """Debug mode's dry run in every worker: join the process group, meet at a barrier."""
-    from .process import wait_for_everyone
+    from ..process import wait_for_everyone
 
     _state.get()
     wait_for_everyone()

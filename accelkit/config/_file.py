@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import _env
-from ._options import DIST_BACKENDS, PRECISIONS, STRATEGIES, Options, validate
-from ._version import __version__
-from .errors import ConfigurationError
+from .. import _env
+from .._options import DIST_BACKENDS, PRECISIONS, STRATEGIES, Options, validate
+from .._version import __version__
+from ..errors import ConfigurationError
 
 Kind = Literal["accelkit", "accelerate"]
 # Launch keys of accelkit's format: the `accelkit launch` flags, with underscores.
@@ -111,7 +111,7 @@ def load_config(path: str | os.PathLike[str]) -> ConfigFile:
     values, lines = _read_yaml(file)
     fields_ = _Fields(str(file), values, lines)
     if _ACCELERATE_MARKERS & set(values):
-        from ._accelerate_config import from_accelerate
+        from ._accelerate import from_accelerate
 
         state, launch = from_accelerate(fields_, file)
         kind: Kind = "accelerate"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ._config import _NO, RDZV_BACKENDS, _Fields, check_node_rank, gpu_ids, json_text, state_from
-from ._options import PRECISIONS
+from .._options import PRECISIONS
+from ._file import _NO, RDZV_BACKENDS, _Fields, check_node_rank, gpu_ids, json_text, state_from
 
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
 _UNSUPPORTED = (

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .errors import ConfigurationError, StateError
+from ..errors import ConfigurationError, StateError
 
 if TYPE_CHECKING:
-    from ._state import ProcessState
+    from .._state import ProcessState
 
 __all__ = ["grad_scaler", "is_fsdp_module", "no_gradient_sync", "repoint_optimizer", "select_units", "shard"]
 

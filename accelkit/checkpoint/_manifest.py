@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ._safe_io import CheckpointError, FileRecord, checksum
-from ._version import __version__
+from .._safe_io import CheckpointError, FileRecord, checksum
+from .._version import __version__
 
 __all__ = ["MANIFEST", "build", "committed", "read"]
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import nn
 
-from . import _state, _tree
+from .. import _state, _tree
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import autocast
 
@@ -60,7 +60,7 @@ def prepare(*objects: Any, **options: Any) -> Any:
     model_options = {k: v for k, v in options.items() if k in _MODEL_OPTIONS}
     loader_options = {k: v for k, v in options.items() if k in _LOADER_OPTIONS}
     if _state.get().options.strategy == "deepspeed":
-        from ._deepspeed import prepare_with_deepspeed
+        from .._strategies.deepspeed import prepare_with_deepspeed
 
         done = prepare_with_deepspeed(objects, loader_options)
         return done[0] if len(done) == 1 else tuple(done)
@@ -82,7 +82,7 @@ def _prepare_one(obj: Any, model_options: dict[str, Any], loader_options: dict[s
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or _looks_like_scheduler(obj):
         return PreparedScheduler(obj)
     if isinstance(obj, torch.utils.data.DataLoader):
-        from .data import prepare_dataloader
+        from ..data import prepare_dataloader
 
         return prepare_dataloader(obj, **loader_options)
     raise TypeError(
@@ -100,7 +100,7 @@ def _prepare_model(model: nn.Module, options: dict[str, Any]) -> nn.Module:
         model._accelkit_prepared = True  # type: ignore[assignment]
         return model
     if st.options.strategy == "fsdp":
-        from ._fsdp import shard
+        from .._strategies.fsdp import shard
 
         shard(model, st)  # in place: the module is its own wrapper
         model._accelkit_prepared = True  # type: ignore[assignment]
@@ -132,7 +132,7 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare_optimizer(optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
-    from ._fsdp import grad_scaler, repoint_optimizer
+    from .._strategies.fsdp import grad_scaler, repoint_optimizer
 
     st = _state.get()
     repoint_optimizer(optimizer)

@@ -1,6 +1,6 @@
 """The worker side of ``accelkit launch``: run a script or module as ``__main__``.
 
-``python -m accelkit._script [--module] TARGET ARGS...`` runs TARGET the way ``python
+``python -m accelkit.cli._worker [--module] TARGET ARGS...`` runs TARGET the way ``python
 TARGET ARGS...`` (or ``python -m TARGET ARGS...``) would: same ``sys.argv``, same
 ``sys.path[0]``. When it raises, the traceback is printed as Python would, and the
 worker's failure record goes to the run directory named by ``ACCELKIT_RUN_DIR``, so that
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     if module:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m accelkit._script [--module] TARGET [ARGS...]", file=sys.stderr)
+        print("usage: python -m accelkit.cli._worker [--module] TARGET [ARGS...]", file=sys.stderr)
         return 2
     target = argv[0]
     sys.argv = list(argv)
@@ -59,8 +59,8 @@ def _report(exc: BaseException) -> None:
     if not isinstance(exc, SystemExit):
         sys.stderr.write(text)
         sys.stderr.flush()
-    from ._agent import record_failure  # imports torch: only once something failed
-    from ._env import RUN_DIR
+    from .._env import RUN_DIR
+    from ..launcher._agent import record_failure  # imports torch: only once something failed
 
     run_dir = os.environ.get(RUN_DIR)
     if run_dir:

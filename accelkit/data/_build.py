@@ -18,10 +18,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _state, _tree, collectives
+from .. import _state, _tree, collectives
+from .._state import ProcessState
 from ._loader import ActiveLoader, Plan, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
-from ._state import ProcessState
 
 T = TypeVar("T")
 

@@ -16,9 +16,10 @@ from typing import Any, Literal, NoReturn, TypeVar, get_args
 
 import torch
 
-from . import _debug, _exchange, _state, _tree
-from ._state import ProcessState
-from .errors import DistributedOperationError
+from .. import _state, _tree
+from .._state import ProcessState
+from ..errors import DistributedOperationError
+from . import _debug, _exchange
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min", "product"]

@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import _commit, _manifest, _rank_state, _safe_io, _sharded, _state, collectives
-from ._safe_io import CheckpointError
+from .. import _safe_io, _state, collectives
+from .._safe_io import CheckpointError
+from . import _commit, _manifest, _rank_state, _sharded
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_state", "save_model", "save_state"]
 
@@ -175,7 +176,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
         >>> torch.load(path, weights_only=True).keys()  # doctest: +SKIP
         odict_keys(['weight', 'bias'])
     """
-    from .training import unwrap
+    from ..training import unwrap
 
     try:  # optional: pip install safetensors
         safetensors_torch: Any = importlib.import_module("safetensors.torch")
@@ -222,7 +223,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 def _unwrapped(obj: Any) -> Any:
     """Modules without DDP/FSDP/compile wrappers: a checkpoint loads on any number of processes."""
-    from .training import unwrap
+    from ..training import unwrap
 
     return unwrap(obj) if isinstance(obj, nn.Module) else obj
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _state
-from ._optim import PreparedOptimizer, PreparedScheduler
-from .errors import ConfigurationError
+from .. import _state
+from ..errors import ConfigurationError
+from ..training._optim import PreparedOptimizer, PreparedScheduler
 
 __all__ = ["DEFAULT_CONFIG", "fill_auto", "load_config", "prepare_with_deepspeed", "set_defaults"]
 
@@ -168,7 +168,7 @@ def prepare_with_deepspeed(objects: Sequence[Any], loader_options: dict[str, Any
             f'strategy="deepspeed" needs DeepSpeed, which is not installed ({exc}); '
             f'run: pip install "accelkit[deepspeed]", or use strategy="fsdp"'
         ) from exc
-    from .data import prepare_dataloader
+    from ..data import prepare_dataloader
 
     st = _state.get()
     slots: dict[str, list[int]] = {"model": [], "optimizer": [], "scheduler": [], "loader": []}
@@ -197,7 +197,7 @@ def prepare_with_deepspeed(objects: Sequence[Any], loader_options: dict[str, Any
         world_size=st.world_size,
     )
     if st.options.precision != "no":
-        from ._prepare import _autocast_forward
+        from ..training._prepare import _autocast_forward
 
         # The engine casts the weights; autocast lets fp32 batches meet them, as under DDP and FSDP.
         _autocast_forward(model, st.options.precision, st.device.type)
@@ -216,7 +216,7 @@ def prepare_with_deepspeed(objects: Sequence[Any], loader_options: dict[str, Any
 
 
 def _kind(obj: Any) -> str:
-    from ._prepare import _looks_like_scheduler
+    from ..training._prepare import _looks_like_scheduler
 
     if isinstance(obj, nn.Module):
         return "model"

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import torch
 
-from . import _state
-from ._options import PRECISIONS
+from .. import _state
+from .._options import PRECISIONS
 
 __all__ = ["precision"]
 

@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _env, _state
+from .. import _env, _state
+from .._options import DEFAULT_RDZV_TIMEOUT
+from ..errors import ConfigurationError, WorkerError, WorkerFailure
 from ._notebook import flush_std_streams, whole_lines_to_notebook
-from ._rendezvous import DEFAULT_RDZV_TIMEOUT, rendezvous_store
-from .errors import ConfigurationError, WorkerError, WorkerFailure
+from ._rendezvous import rendezvous_store
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 

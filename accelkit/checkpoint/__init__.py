@@ -1,0 +1,6 @@
+"""Checkpoints that survive crashes: atomic save, verified safe load, exact resume."""
+
+from ..errors import CheckpointError
+from ._api import latest_checkpoint, load_state, save_model, save_state
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_state", "save_model", "save_state"]

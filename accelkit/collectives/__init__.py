@@ -1,0 +1,6 @@
+"""Collectives over trees of tensors: gather, reduce, broadcast, pad, and Python objects."""
+
+from ._api import REDUCE_OPS, ReduceOp, broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
+
+__all__ = ["REDUCE_OPS", "ReduceOp", "broadcast", "broadcast_object", "gather", "gather_object",
+           "pad_across_processes", "reduce"]  # fmt: skip

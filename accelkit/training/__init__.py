@@ -1,0 +1,20 @@
+"""The training loop: ``prepare``, ``precision``, ``backward``, ``accumulate``, clipping, ``unwrap``."""
+
+from ._optim import PreparedOptimizer, PreparedScheduler
+from ._precision import precision
+from ._prepare import prepare
+from ._step import accumulate, backward, clip_grad_norm_, clip_grad_value_, no_sync, sync_gradients, unwrap
+
+__all__ = [
+    "PreparedOptimizer",
+    "PreparedScheduler",
+    "accumulate",
+    "backward",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "no_sync",
+    "precision",
+    "prepare",
+    "sync_gradients",
+    "unwrap",
+]
