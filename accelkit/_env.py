@@ -7,8 +7,9 @@ process started by any of them with world size N is one of N ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigurationError
@@ -129,6 +130,28 @@ def launch_flags(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The option names that ``accelkit launch`` set from its command-line flags."""
     raw = read_str(LAUNCH_FLAGS, env)
     return tuple(n for n in raw.split(",") if n) if raw else ()
+
+
+@contextlib.contextmanager
+def patched(values: Mapping[str, str], *touched: str) -> Iterator[None]:
+    """Set ``values`` in this process's environment; restore them and ``touched`` afterwards.
+
+    Example:
+        >>> with patched({CONFIG_FILE: ""}):
+        ...     os.environ[CONFIG_FILE]
+        ''
+    """
+    names = [*values, *touched]
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:

@@ -8,7 +8,6 @@ of memory.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 import traceback
 import weakref
@@ -24,9 +23,6 @@ from . import _env, _state
 # How a collective fails when a peer went away or never came.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
 _GRACE = 60.0  # seconds beyond the collective timeout that ranks wait for each other after an attempt
-# Every rank counts its agreements in the same order, so that their store keys match.
-_agreements = itertools.count()
-_previous = ""  # the last agreement's key prefix, deleted from the store after the next one
 _KEYS = ("size", "failures", "arrived", "done")
 
 
@@ -48,7 +44,7 @@ class Team:
 
     def __init__(self, st: _state.ProcessState, store: Any) -> None:
         self.st, self.store = st, store  # the raw store: it outlives the groups built on it
-        self.restart = st.restart_count
+        self.prefix = _state.group.prefix  # the keys of this group's agreements (see _state.GroupState)
         self.wait = timedelta(seconds=st.options.timeout + _GRACE)
         self.number = -1
 
@@ -68,8 +64,9 @@ class Team:
 
     def report(self, batch_size: int, kind: str, failure: BaseException | None) -> None:
         """Post this rank's outcome (``kind`` "" when it succeeded); the last to arrive releases all."""
-        global _previous
-        self.number = next(_agreements)
+        # Every rank counts its agreements in the same order, so that their store keys match.
+        group = _state.group
+        self.number, group.agreements = group.agreements, group.agreements + 1
         key = self._key(self.number)
         seen = self.store.compare_set(f"{key}/size", "", str(batch_size)).decode()
         if seen != str(batch_size):
@@ -78,10 +75,10 @@ class Team:
             self._post(key, kind, summary(failure))
         if self.store.add(f"{key}/arrived", 1) == self.st.world_size:
             self.store.set(f"{key}/done", "1")
-            if _previous:  # every rank has read the previous agreement's keys by now
+            if group.previous_agreement:  # every rank has read the previous agreement's keys by now
                 for name in _KEYS:
-                    self.store.delete_key(f"{_previous}/{name}")
-        _previous = key
+                    self.store.delete_key(f"{group.previous_agreement}/{name}")
+        group.previous_agreement = key
 
     def agree(self, batch_size: int, kind: str, failure: Exception | None) -> Verdict:
         """Report, then wait until every rank has; what they reported."""
@@ -118,14 +115,14 @@ class Team:
                 f"batch sizes ({verdict.describe('size')}); give every rank the same starting_batch_size"
             ) from failure
         break_group()  # on the ranks that succeeded too, so that nothing keeps the old group alive
-        _state.reform_group(self.store, f"accelkit/attempt{self.restart}/regroup{self.number}")
+        _state.reform_group(self.store, f"{self.prefix}/regroup{self.number}")
         if not verdict.ranks("oom"):  # a collective failed, and not because a rank ran out of memory
             if failure is not None:
                 raise failure
             raise RuntimeError(f"{call} failed on {verdict.describe('comm')}")
 
     def _key(self, number: int) -> str:
-        return f"accelkit/batch-size/{self.restart}/{number}"
+        return f"{self.prefix}/batch-size/{number}"
 
     def _post(self, key: str, kind: str, summary: str) -> None:
         self.store.append(f"{key}/failures", f"{self.st.rank}\t{kind}\t{summary}\n")

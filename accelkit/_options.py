@@ -1,29 +1,46 @@
-"""The options that shape the process state, validated once, shared by every entry point."""
+"""Every option accelkit accepts, typed once and validated once.
+
+- :class:`Options`: the process-state options (precision, accumulation, debug, device,
+  sharding), in every process; :class:`LaunchSettings`: how many workers to start and where.
+- :class:`StateOptions`, :class:`InitOptions`, :class:`LaunchOptions`: the same names as
+  ``TypedDict``\\ s, for the ``**options`` of ``ak.init``, ``@ak.distributed``, ``ak.launch``
+  and ``accelkit.testing`` (a test checks that their keys equal the dataclasses' fields).
+- :func:`validate`: one table of rules, so code, ``ACCELKIT_*`` variables, the config file and
+  the command line all refuse the same values with the same words.
+
+Torch-free: ``accelkit --help`` and ``accelkit config`` import this module.
+"""
 
 from __future__ import annotations
 
 import difflib
+import json
+import multiprocessing
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, cast, get_args
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Literal, TypedDict, get_args
 
 from . import _env
 from .errors import ConfigurationError
 
 Precision = Literal["no", "fp16", "bf16", "fp8"]
 DistBackend = Literal["gloo", "nccl", "xccl", "mpi"]
-Strategy = Literal["ddp", "fsdp", "deepspeed"]
+StrategyName = Literal["ddp", "fsdp", "deepspeed"]
+RdzvBackend = Literal["static", "c10d"]
+StartMethod = Literal["spawn", "fork", "forkserver"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 DIST_BACKENDS: tuple[str, ...] = get_args(DistBackend)
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackend)
 DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before the job fails
 DEFAULT_RDZV_TIMEOUT = 300.0  # seconds the nodes of a job wait for each other
 
 
 @dataclass(frozen=True)
 class Options:
-    """Options of the process state (precision, accumulation, debug, device, timeouts)."""
+    """Options of the process state (precision, accumulation, debug, device, timeouts, sharding)."""
 
     precision: Precision = "no"
     gradient_accumulation_steps: int = 1
@@ -32,7 +49,7 @@ class Options:
     backend: DistBackend | None = None
     timeout: float = DEFAULT_TIMEOUT
     # Sharding: how ak.prepare wraps a model when the world has several processes.
-    strategy: Strategy = "ddp"
+    strategy: StrategyName = "ddp"
     fsdp_wrap: tuple[str, ...] = ()  # module class names that become their own FSDP unit
     fsdp_min_params: int = 0  # or: submodules with at least this many parameters (0: off)
     fsdp_reshard_after_forward: bool = True
@@ -43,136 +60,244 @@ class Options:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How many workers to start, where, and how the nodes meet (``@ak.distributed``, ``accelkit launch``)."""
+
+    num_processes: int | None = None  # per node; None: one per device
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+    start_method: StartMethod | None = None  # None: spawn, or fork from a notebook
+    rdzv_backend: RdzvBackend = "static"
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    mpirun: bool = False
+    hostfile: str | None = None
+    gpu_ids: str | None = None  # "all" or "0,1": the devices the workers see
+
     @classmethod
-    def resolve(cls, explicit: Mapping[str, object], call: str = "accelkit.init") -> Options:
-        """Explicit options over ``ACCELKIT_*`` variables over the config file over defaults.
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
-        An option given in code that ``accelkit launch`` also received as a flag (listed in
-        ``ACCELKIT_LAUNCH_FLAGS``) must agree with it: a conflict is an error naming both.
-        """
-
-        from .config import _file as _config
-
-        from_config = _config.state_options()  # validated when the file was read
-        from_env = validate({n: _from_env(n, str(raw)) for n, raw in _env.option_overrides().items()}, call)
-        given = validate({k: v for k, v in explicit.items() if v is not None}, call)
-        _check_flag_conflicts(given, from_env, call)
-        return replace(cls(), **cast("dict[str, Any]", {**from_config, **from_env, **given}))
+    @property
+    def world_size(self) -> int:
+        return (self.num_processes or 1) * self.num_nodes
 
 
-def validate(options: Mapping[str, object], call: str) -> dict[str, object]:
-    """Checks names and values; returns them normalised. Errors echo the call."""
+# The keyword options of ak.init / @ak.distributed / ak.launch / accelkit.testing. None means "not set here".
+class StateOptions(TypedDict, total=False):
+    """The process-state options, as keyword arguments (see :class:`Options`)."""
+
+    precision: Precision | None
+    gradient_accumulation_steps: int | None
+    debug: bool | None
+    cpu: bool | None
+    backend: DistBackend | None
+    timeout: float | timedelta | None
+    strategy: StrategyName | None
+    fsdp_wrap: str | Sequence[str | type] | None
+    fsdp_min_params: int | None
+    fsdp_reshard_after_forward: bool | None
+    fsdp_cpu_offload: bool | None
+    deepspeed_config: str | os.PathLike[str] | Mapping[str, Any] | None
+
+
+class InitOptions(StateOptions, total=False):
+    """``ak.init``'s options: the state's, and where this process was told it stands (checked)."""
+
+    num_processes: int | None
+    num_nodes: int | None
+    node_rank: int | None
+    master_addr: str | None
+    master_port: int | None
+
+
+class LaunchOptions(InitOptions, total=False):
+    """``@ak.distributed`` / ``ak.launch``'s options: the state's, and how to start the workers."""
+
+    max_restarts: int | None
+    start_method: StartMethod | None
+
+
+# Launch settings that code may pass (the rest come from `accelkit launch` flags and the config file).
+CODE_LAUNCH_NAMES: tuple[str, ...] = tuple(k for k in LaunchOptions.__annotations__ if k in LaunchSettings.names())
+INIT_LAUNCH_NAMES: tuple[str, ...] = tuple(k for k in InitOptions.__annotations__ if k in LaunchSettings.names())
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (``True`` is no process count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def suggest(value: object, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` when ``value`` is close to one of ``choices``, else ``""``.
+
+    Example:
+        >>> suggest("bf61", PRECISIONS)
+        "; did you mean 'bf16'?"
+    """
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6) if isinstance(value, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validate(options: Mapping[str, object], call: str, known: Iterable[str] | None = None) -> dict[str, object]:
+    """Checks names and values; returns them normalised (``None`` values dropped). Errors echo the call.
+
+    ``known`` defaults to the state options; pass ``LaunchSettings.names()`` (or both) for the others.
+
+    Example:
+        >>> validate({"precision": "bf16", "fsdp_wrap": "Block,Head"}, "ak.init")
+        {'precision': 'bf16', 'fsdp_wrap': ('Block', 'Head')}
+    """
+    names = tuple(known) if known is not None else Options.names()
     out: dict[str, object] = {}
     for name, value in options.items():
-        if name not in Options.names():
-            raise TypeError(f"{call}() got an unexpected option {name!r}{_suggest(name)}")
-        out[name] = _check(name, value, call)
+        if name not in names:
+            hint = suggest(name, names) or f"; valid options: {', '.join(names)}"
+            raise TypeError(f"{call}() got an unexpected option {name!r}{hint}")
+        if value is not None:
+            out[name] = _RULES[name](name, value, call)
     return out
 
 
-def _check_flag_conflicts(given: Mapping[str, object], from_env: Mapping[str, object], call: str) -> None:
-    for name in _env.launch_flags():
-        if name in given and name in from_env and given[name] != from_env[name]:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigurationError(
-                f"{name} is set twice with different values: {given[name]!r} in code ({call}({name}=...) "
-                f"at {_code_site()}) and {from_env[name]!r} by `accelkit launch {flag}`. "
-                f"Remove one of them (the command line is the usual place for per-run settings)."
-            )
+def parse_env(name: str, raw: str) -> object:
+    """The value of state option ``name`` from its ``ACCELKIT_*`` variable's text (validated)."""
+    var = _env.OPTION_VARIABLES[name]
+    if name in _FLAGS:
+        value: object = _env.read_bool(var, {var: raw})
+    elif name in _INTEGERS:
+        value = _env.read_int(var, {var: raw})
+    elif name == "timeout":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigurationError(f"environment variable {var}={raw!r} is not a number of seconds") from None
+    elif name in _CHOICES:
+        value = raw.strip().lower()
+    else:
+        value = raw
+    return validate({name: value}, f"environment variable {var}").get(name)
 
 
-def _code_site() -> str:
-    import os
-    import sys
-
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The state options that ``ACCELKIT_*`` variables set, parsed and validated."""
+    return {name: parse_env(name, str(raw)) for name, raw in _env.option_overrides(env).items()}
 
 
-_FLAGS = ("debug", "cpu", "fsdp_reshard_after_forward", "fsdp_cpu_offload")
-# name -> (smallest value, how to fix a bad one)
-_INTEGERS = {
-    "gradient_accumulation_steps": (1, "use 1 to step the optimizer on every batch"),
-    "fsdp_min_params": (0, "e.g. 1_000_000; 0 turns size-based wrapping off"),
+# --- the rules ----------------------------------------------------------------------------------
+
+_FLAGS = ("debug", "cpu", "fsdp_reshard_after_forward", "fsdp_cpu_offload", "mpirun")
+# name -> (smallest value, largest value or None, how to fix a bad one)
+_INTEGERS: dict[str, tuple[int, int | None, str]] = {
+    "gradient_accumulation_steps": (1, None, "use 1 to step the optimizer on every batch"),
+    "fsdp_min_params": (0, None, "e.g. 1_000_000; 0 turns size-based wrapping off"),
+    "num_processes": (1, None, "a positive number of processes per node: 1 runs here, 2 or more start workers"),
+    "num_nodes": (1, None, "the number of machines, e.g. 2"),
+    "node_rank": (0, None, "this machine's rank, from 0 to num_nodes - 1"),
+    "master_port": (1, 65535, "a free TCP port on node 0, e.g. 29500"),
+    "max_restarts": (0, None, "0 restarts nothing"),
 }
-# name -> (valid values, a hint); backend may also be None
-_CHOICES = {
+# name -> (valid values, a hint); backend and start_method may also be None
+_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "precision": (PRECISIONS, "bf16 suits most GPUs"),
     "backend": (DIST_BACKENDS, "None picks one for the device"),
     "strategy": (STRATEGIES, "'fsdp' shards parameters, gradients and optimizer state"),
+    "rdzv_backend": (RDZV_BACKENDS, "'static' gives each node its rank"),
 }
 
 
-def _check(name: str, value: object, call: str) -> object:
-    def bad(expected: str, fix: str) -> ConfigurationError:
-        return ConfigurationError(f"{call}({name}={value!r}): expected {expected}; {fix}")
-
-    if name in _CHOICES:
-        valid, hint = _CHOICES[name]
-        if value not in valid and not (name == "backend" and value is None):
-            raise bad(f"{'None or ' if name == 'backend' else ''}one of {', '.join(map(repr, valid))}", hint)
-        return value
-    if name in _INTEGERS:
-        low, fix = _INTEGERS[name]
-        if name == "fsdp_min_params" and isinstance(value, float) and value.is_integer():
-            value = int(value)  # 1e6 is a fine parameter count
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise bad(f"an integer >= {low}", fix)
-        return value
-    if name in _FLAGS:
-        if not isinstance(value, bool):
-            raise bad("True or False", f"pass {name}=True to enable it")
-        return value
-    if name == "fsdp_wrap":
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise bad("module classes or class names", "e.g. fsdp_wrap=[TransformerBlock]")
-        names = []
-        for item in items:
-            n = item.__name__ if isinstance(item, type) else item
-            if not isinstance(n, str) or not n.strip().isidentifier():
-                raise bad("module classes or class names", "e.g. fsdp_wrap=[TransformerBlock]")
-            names.append(n.strip())
-        return tuple(names)
-    if name == "deepspeed_config":
-        if isinstance(value, Mapping):
-            import json
-
-            return json.dumps(value, sort_keys=True)
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise bad("a path to a DeepSpeed JSON config, or a dict", "e.g. deepspeed_config='ds_config.json'")
-        return None if value is None else os.fspath(value)
-    if name == "timeout":
-        seconds = getattr(value, "total_seconds", lambda: value)()
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise bad("a positive number of seconds (or a timedelta)", f"the default is {DEFAULT_TIMEOUT:g}")
-        return float(seconds)
-    return value
+def _bad(call: str, name: str, value: object, expected: str, fix: str) -> ConfigurationError:
+    return ConfigurationError(f"{call}({name}={value!r}): expected {expected}; {fix}")
 
 
-def _from_env(name: str, raw: str) -> object:
-    var = _env.OPTION_VARIABLES[name]
-    if name in _FLAGS:
-        return _env.read_bool(var)
-    if name in _INTEGERS:
-        return _env.read_int(var)
-    if name in ("fsdp_wrap", "deepspeed_config"):
-        return raw
-    if name == "timeout":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigurationError(f"environment variable {var}={raw!r} is not a number of seconds") from None
-    value = raw.strip().lower()
-    valid = _CHOICES[name][0]
+def _choice(name: str, value: object, call: str) -> object:
+    valid, hint = _CHOICES[name]
     if value not in valid:
-        raise ConfigurationError(f"environment variable {var}={raw!r} must be one of {', '.join(valid)}")
+        raise _bad(call, name, value, f"one of {', '.join(map(repr, valid))}", hint + suggest(value, valid))
     return value
 
 
-def _suggest(name: str) -> str:
-    close = difflib.get_close_matches(name, Options.names(), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid options: {', '.join(Options.names())}"
+def _start_method(name: str, value: object, call: str) -> object:
+    methods = multiprocessing.get_all_start_methods()
+    if value not in methods:
+        raise _bad(call, name, value, f"one of {', '.join(map(repr, methods))}", "None chooses for you")
+    return value
+
+
+def _integer(name: str, value: object, call: str) -> object:
+    low, high, fix = _INTEGERS[name]
+    if name == "fsdp_min_params" and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1e6 is a fine parameter count
+    span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    if not is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
+        raise _bad(call, name, value, span, fix)
+    return value
+
+
+def _flag(name: str, value: object, call: str) -> object:
+    if not isinstance(value, bool):
+        raise _bad(call, name, value, "True or False", f"pass {name}=True to enable it")
+    return value
+
+
+def _seconds(name: str, value: object, call: str) -> object:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds < float("inf"):
+        default = DEFAULT_TIMEOUT if name == "timeout" else DEFAULT_RDZV_TIMEOUT
+        raise _bad(call, name, value, "a positive number of seconds (or a timedelta)", f"the default is {default:g}")
+    return float(seconds)
+
+
+def _text(name: str, value: object, call: str) -> object:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
+        raise _bad(call, name, value, "a non-empty string", "e.g. '10.0.0.1' (a host) or a file path")
+    return os.fspath(value).strip()
+
+
+def _fsdp_wrap(name: str, value: object, call: str) -> object:
+    items = value.split(",") if isinstance(value, str) else value
+    fix = "e.g. fsdp_wrap=[TransformerBlock] or fsdp_wrap='Block,Head'"
+    if not isinstance(items, (list, tuple)):
+        raise _bad(call, name, value, "module classes or class names", fix)
+    names = []
+    for item in items:
+        n = item.__name__ if isinstance(item, type) else item
+        if not isinstance(n, str) or not n.strip().isidentifier():
+            raise _bad(call, name, value, "module classes or class names", fix)
+        names.append(n.strip())
+    return tuple(names)
+
+
+def _deepspeed_config(name: str, value: object, call: str) -> object:
+    if isinstance(value, Mapping):
+        return json.dumps(value, sort_keys=True)
+    if not isinstance(value, (str, os.PathLike)):
+        raise _bad(call, name, value, "a path to a DeepSpeed JSON config, or a dict", "e.g. 'ds_config.json'")
+    return os.fspath(value)
+
+
+def _gpu_ids(name: str, value: object, call: str) -> object:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    text = ",".join(str(i).strip() for i in items)
+    if text != "all" and not all(i.isdigit() for i in text.split(",")):
+        raise _bad(call, name, value, "'all' or device indices like '0,1'", "e.g. gpu_ids='0,1'")
+    return text
+
+
+_RULES: dict[str, Callable[[str, object, str], object]] = {
+    **dict.fromkeys(_CHOICES, _choice),
+    **dict.fromkeys(_INTEGERS, _integer),
+    **dict.fromkeys(_FLAGS, _flag),
+    "timeout": _seconds,
+    "rdzv_timeout": _seconds,
+    "start_method": _start_method,
+    "master_addr": _text,
+    "hostfile": _text,
+    "fsdp_wrap": _fsdp_wrap,
+    "deepspeed_config": _deepspeed_config,
+    "gpu_ids": _gpu_ids,
+}
+assert set(_RULES) == {*Options.names(), *LaunchSettings.names()}, "every option has one rule"

@@ -1,8 +1,10 @@
-"""Durable, verifiable files for checkpoints: checksummed fsynced writes, atomic swaps.
+"""Durable, verifiable files: checksummed fsynced writes, atomic replacement and swaps.
 
 Every byte a checkpoint writes goes through :func:`write_file`, which checksums (CRC-32)
 while writing and fsyncs before returning; :func:`check_file` verifies a file against
 its recorded size and checksum. :func:`crash_point` marks the moments tests break into.
+Smaller files (the config file, a worker's failure record, exported weights) are replaced
+whole with :func:`write_atomic`: readers see the old file or the new one, never a part.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import errno
 import mmap
 import os
 import shutil
+import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +32,7 @@ __all__ = [
     "fsync_dir",
     "open_hashed",
     "swap",
+    "write_atomic",
     "write_file",
 ]
 
@@ -123,6 +127,36 @@ def open_hashed(path: Path) -> Iterator[HashingWriter]:
             raise OSError(cause.errno, cause.strerror, str(path)) from exc
         raise
     crash_point(f"after-file:{label}")
+
+
+def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` (bytes, or a function that writes to the file) in one rename.
+
+    The new file is written beside it, fsynced, given ``mode`` and renamed over ``path``, and
+    the directory is fsynced: a crash leaves the old file or the new one, never a partial file.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "note.txt"
+        >>> write_atomic(target, b"hello"); target.read_bytes()
+        b'hello'
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(data, (bytes, bytearray)):
+                f.write(data)
+            else:
+                data(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # mkstemp's 0600 would hide the file from other users of a shared setup
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def check_file(path: Path, record: FileRecord) -> str | None:

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _env
+from . import _env, _frames
 from ._backends import Backend, select_backend
-from ._options import Options
+from ._options import INIT_LAUNCH_NAMES, InitOptions, Options
+from .config import resolve
 from .errors import ConfigurationError, StateError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._strategies import Strategy
 
 __all__ = ["ProcessState", "get", "init", "is_initialized", "reset_state"]
 
@@ -48,6 +54,8 @@ class ProcessState:
     restart_count: int = 0  # how many times the elastic agent restarted the job so far
     pid: int = field(default_factory=os.getpid, repr=False, compare=False)
     hardware: Backend | None = field(default=None, repr=False, compare=False)
+    strategy: Strategy | None = field(default=None, repr=False, compare=False)  # chosen once, from the options
+    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> where it came from
 
     @property
     def distributed(self) -> bool:
@@ -80,8 +88,7 @@ class TrainingState:
       a dropped loader is forgotten); ``ak.save_state`` saves their positions and
       ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
       is how a resumed run matches each saved position to its loader.
-    - ``deepspeed_engine``: under ``strategy="deepspeed"``, what ``ak.backward`` calls instead
-      of ``loss.backward()`` (set when the engine's optimizer is prepared).
+    - ``models``: the models ``ak.prepare`` returned (weak), so that preparing one again is a no-op.
     """
 
     micro_step: int = 0
@@ -91,20 +98,37 @@ class TrainingState:
     scaler: Any = None
     optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     unscaled: bool = False
-    deepspeed_engine: Any = None
     loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
+    models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+
+@dataclass
+class GroupState:
+    """What belongs to the process group accelkit formed, and goes with it.
+
+    - ``prefix``: the group's key prefix in the job's store. Each attempt of an elastic job and
+      each group this process forms (again after ``reset_state``) gets its own, so a new group
+      never reads the keys of the one before.
+    - ``agreements``: ``find_executable_batch_size``'s agreements so far (their store keys),
+      and ``previous_agreement`` the key prefix of the last one, deleted after the next.
+    """
+
+    prefix: str = "accelkit"
+    agreements: int = 0
+    previous_agreement: str = ""
 
 
 _lock = threading.RLock()
 _state: ProcessState | None = None
 training = TrainingState()
+group = GroupState()
+_generation = 0  # groups formed by this process (outlives reset_state: the next one gets a new prefix)
 _origin = ""  # where the state was created, for error messages
 _owns_group = False  # whether accelkit created the process group (and so destroys it)
 _exit_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
 
-_LAUNCH_CHECKED = ("num_processes", "num_nodes", "node_rank")
-_LAUNCH_FALLBACKS = ("master_addr", "master_port")
+_CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them
 
 
 def get() -> ProcessState:
@@ -116,13 +140,26 @@ def get() -> ProcessState:
         return _current() or _create({}, {}, "first use")
 
 
+def strategy() -> Strategy:
+    """The parallelism strategy of the current state (built on first use)."""
+    st = get()
+    if st.strategy is None:  # a state built by hand (tests); every accelkit-built state has one
+        raise StateError("this ProcessState has no strategy; build it with ak.init() or ak.state()")
+    return st.strategy
+
+
 def is_initialized() -> bool:
     """Whether the state exists in this process (nothing is created by asking)."""
     with _lock:
         return _current() is not None
 
 
-def init(**options: Any) -> ProcessState:
+def origin() -> str:
+    """Where the current state was created (``file:line in function (how)``), for messages."""
+    return _origin
+
+
+def init(**options: Unpack[InitOptions]) -> ProcessState:
     """Initialise the state explicitly (optional); the same options again are a no-op.
 
     Example:
@@ -130,20 +167,21 @@ def init(**options: Any) -> ProcessState:
         >>> ak.init(precision="bf16").options.precision
         'bf16'
     """
-    launch_opts = {k: options.pop(k) for k in (*_LAUNCH_CHECKED, *_LAUNCH_FALLBACKS) if k in options}
+    given: dict[str, Any] = dict(options)
+    launch_opts = {k: given.pop(k) for k in INIT_LAUNCH_NAMES if k in given}
     for name in ("max_restarts", "start_method"):
-        if name in options:
+        if name in given:
             raise TypeError(
-                f"accelkit.init({name}={options[name]!r}): init does not start processes; "
+                f"accelkit.init({name}={given[name]!r}): init does not start processes; "
                 f"pass {name} to @ak.distributed, ak.launch or `accelkit launch`"
             )
-    explicit = {k: v for k, v in options.items() if v is not None}
+    explicit = {k: v for k, v in given.items() if v is not None}
     with _lock:
         st = _current()
         if st is None:
             st = _create(explicit, launch_opts, "accelkit.init")
         else:
-            wanted = Options.resolve(explicit, "accelkit.init")
+            wanted = resolve(explicit, call="accelkit.init").options
             conflicts = {k: v for k, v in explicit.items() if getattr(wanted, k) != getattr(st.options, k)}
             if conflicts:
                 asked = ", ".join(f"{k}={v!r}" for k, v in conflicts.items())
@@ -161,26 +199,33 @@ def reset_state() -> None:
 
     A group the user created before accelkit adopted it is left to the user.
     """
-    global _state, _owns_group, breakpoint_requested, training
+    global _state, _owns_group, breakpoint_requested, training, group
     with _lock:
         if _current() is not None and _owns_group:
             _destroy_group()
         _state, _owns_group, breakpoint_requested = None, False, False
-        training = TrainingState()
+        training, group = TrainingState(), GroupState()
+
+
+def new_training() -> None:
+    """Forget the training objects (prepared optimizers, loaders, scaler); keep the process group."""
+    global training
+    training = TrainingState()
 
 
 def _current() -> ProcessState | None:
-    global _state, _owns_group, training
+    global _state, _owns_group, training, group, _generation
     if _state is not None and _state.pid != os.getpid():
         # Forked child: the parent's group and device are not ours to use or destroy.
-        _state, _owns_group = None, False
-        training = TrainingState()
+        _state, _owns_group, _generation = None, False, 0
+        training, group = TrainingState(), GroupState()
     return _state
 
 
 def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) -> ProcessState:
     global _state, _origin, _owns_group
-    options = Options.resolve(explicit, "accelkit.init")
+    resolved = resolve(explicit, call="accelkit.init")
+    options = resolved.options
     launch = _env.detect_launch()
     hardware = select_backend(cpu=options.cpu)
     device = hardware.device(launch.local_rank)
@@ -194,6 +239,8 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
     elif launch.world_size > 1:
         _init_group(launch, backend, options.timeout, launch_opts)
         owns = True
+    from ._strategies import select_strategy
+
     st = ProcessState(
         rank=launch.rank,
         world_size=launch.world_size,
@@ -207,8 +254,10 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
         launcher=launch.launcher,
         restart_count=launch.restart_count,
         hardware=hardware,
+        strategy=select_strategy(options, launch.world_size, device),
+        sources=dict(resolved.sources),
     )
-    _state, _owns_group, _origin = st, owns, f"{_caller()} ({reason})"
+    _state, _owns_group, _origin = st, owns, f"{_frames.call_site()} ({reason})"
     if owns:
         _register_exit_hook()
     return st
@@ -228,6 +277,7 @@ def _adopt(launch: _env.LaunchEnv, dist: Any) -> _env.LaunchEnv:
 
 
 def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any]) -> None:
+    global _generation
     import torch.distributed as dist
 
     addr = launch.master_addr or launch_opts.get("master_addr")
@@ -244,8 +294,10 @@ def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opt
             port = 29500  # torch's conventional default; set MASTER_PORT to choose another
         else:
             raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
+    # The elastic agent's store outlives a restart, and this process may form a group again after
+    # reset_state: each attempt and each group gets its own key prefix.
+    prefix = f"accelkit/attempt{launch.restart_count}/group{_generation}"
     try:
-        # The elastic agent's store outlives a restart: each attempt gets its own key prefix.
         store = dist.TCPStore(  # type: ignore[attr-defined]
             str(addr),
             int(port),
@@ -255,7 +307,7 @@ def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opt
         )
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"accelkit/attempt{launch.restart_count}", store),  # type: ignore[attr-defined]
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timedelta(seconds=timeout),
@@ -266,6 +318,8 @@ def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opt
             f"group at {addr}:{port} within {timeout:g} s: {exc}. Check that every rank was "
             f"started and that MASTER_ADDR/MASTER_PORT agree across them."
         ) from exc
+    _generation += 1
+    group.prefix = prefix
 
 
 # --- reform_group: used by accelkit.memory after a rank ran out of memory mid-collective ---------
@@ -305,8 +359,8 @@ def reform_group(store: Any, prefix: str) -> None:
 
 def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
     actual = {"num_processes": st.local_world_size, "num_nodes": st.num_nodes, "node_rank": st.node_rank}
-    for name in _LAUNCH_CHECKED:
-        if name in launch_opts and launch_opts[name] is not None and launch_opts[name] != actual[name]:
+    for name in _CHECKED:
+        if launch_opts.get(name) is not None and launch_opts[name] != actual[name]:
             raise StateError(
                 f"accelkit.init({name}={launch_opts[name]!r}) but this process was started with "
                 f"{name}={actual[name]}; init does not start processes: use @ak.distributed, "
@@ -327,13 +381,3 @@ def _register_exit_hook() -> None:
         # Tearing the group down before interpreter exit avoids gloo's SIGABRT at shutdown.
         atexit.register(reset_state)
         _exit_hook_registered = True
-
-
-def _caller() -> str:
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

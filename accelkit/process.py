@@ -91,7 +91,7 @@ def wait_for_everyone() -> None:
     if st.distributed:
         import torch.distributed as dist
 
-        _check_agreement(st, "wait_for_everyone")
+        _same_call_everywhere(st, "wait_for_everyone")
         dist.barrier(**(st.hardware.barrier_kwargs(st.device) if st.hardware else {}))
 
 
@@ -257,15 +257,15 @@ def check_breakpoint() -> bool:
         return flag
     import torch.distributed as dist
 
-    _check_agreement(st, "check_breakpoint")
+    _same_call_everywhere(st, "check_breakpoint")
     shared = torch.tensor([int(flag)], device=st.device)
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     return bool(shared.item())
 
 
-def _check_agreement(st: ProcessState, op: str) -> None:
+def _same_call_everywhere(st: ProcessState, op: str) -> None:
     """In debug mode, make sure every rank is in this same call before entering it."""
     if st.options.debug:
-        from .collectives._api import _compare
+        from .collectives._api import compare_calls
 
-        _compare(st, op, {})
+        compare_calls(st, op, {})

@@ -17,11 +17,17 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import _env, _options, _state
+from . import _env, _frames, _state
+from ._options import LaunchSettings, StateOptions, validate
 from .errors import WorkerError, WorkerFailure
-from .launcher._agent import AgentConfig, check_picklable, exception_name, free_port, run_workers, user_traceback
+from .launcher._agent import check_picklable, run_workers
+from .launcher._failures import exception_name
+from .launcher._rendezvous import free_port
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["WorkerPool", "run_distributed"]
 
@@ -34,7 +40,7 @@ def run_distributed(
     num_processes: int = 2,
     task_timeout: float = 120.0,
     max_restarts: int = 0,
-    **options: Any,
+    **options: Unpack[StateOptions],
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` CPU workers; each rank's result.
 
@@ -48,9 +54,10 @@ def run_distributed(
         >>> run_distributed(ak.world_size)  # doctest: +SKIP
         [2, 2]
     """
-    state_options = _options.validate({"cpu": True, **options}, "accelkit.testing.run_distributed")
-    config = AgentConfig(num_processes=num_processes, max_restarts=max_restarts, start_method="spawn")
-    results = run_workers(fn, tuple(args), dict(kwargs or {}), config, _env.option_env(state_options), task_timeout)
+    state_options = validate({"cpu": True, **options}, "accelkit.testing.run_distributed")
+    config = LaunchSettings(num_processes=num_processes, max_restarts=max_restarts, start_method="spawn")
+    env = _env.option_env(state_options)
+    results = run_workers(fn, tuple(args), dict(kwargs or {}), config, env, watchdog=task_timeout)
     return [results[r] for r in sorted(results)]
 
 
@@ -71,12 +78,17 @@ class WorkerPool:
     """
 
     def __init__(
-        self, num_processes: int = 2, *, task_timeout: float = 60.0, grace: float = 5.0, **options: Any
+        self,
+        num_processes: int = 2,
+        *,
+        task_timeout: float = 60.0,
+        grace: float = 5.0,
+        **options: Unpack[StateOptions],
     ) -> None:
         self.num_processes = num_processes
         self.task_timeout = task_timeout
         self.grace = grace
-        self._env = _env.option_env(_options.validate({"cpu": True, **options}, "accelkit.testing.WorkerPool"))
+        self._env = _env.option_env(validate({"cpu": True, **options}, "accelkit.testing.WorkerPool"))
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._ids = itertools.count()
@@ -209,7 +221,7 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
             if item is None:
                 break
             task, fn, args, kwargs = item
-            _state.training = _state.TrainingState()  # each task starts training afresh
+            _state.new_training()  # each task starts training afresh
             try:
                 answer = pickle.dumps((task, True, fn(*args, **kwargs)))
             except BaseException as exc:
@@ -221,7 +233,8 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
 
 
 def _failure(rank: int, exc: BaseException) -> WorkerFailure:
-    return WorkerFailure(rank, rank, os.getpid(), 1, exception_name(exc), str(exc), user_traceback(exc), time.time())
+    text = _frames.user_traceback(exc)
+    return WorkerFailure(rank, rank, os.getpid(), 1, exception_name(exc), str(exc), text, time.time())
 
 
 def _died(rank: int, proc: multiprocessing.process.BaseProcess) -> WorkerFailure:

@@ -18,7 +18,8 @@ import pytest
 
 from accelkit.cli import build_parser, main
 from accelkit.cli._mpirun import hostfile_hosts, mpirun_command
-from accelkit.cli.launch import Plan, resolve
+from accelkit.cli._plan import LaunchPlan, plan_launch
+from accelkit.config import config_in_effect
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -26,13 +27,10 @@ PROBE = str(SCRIPTS / "launch_probe.py")
 CLI = "import sys; from accelkit.cli import main; sys.exit(main())"
 
 
-def _plan(*argv: str) -> Plan:
+def _plan(*argv: str) -> LaunchPlan:
     """What `accelkit launch ARGV` would run, with the config file it would read."""
-    from accelkit.config import _file as _config
-
     args = build_parser().parse_args(["launch", *argv])
-    path = _config.config_path(args.config_file)
-    return resolve(args, _config.load_config(path) if path is not None else None)
+    return plan_launch(args, config_in_effect(args.config_file))
 
 
 def _write(path: Path, text: str) -> str:
@@ -71,13 +69,13 @@ def test_flag_over_environment_over_config_over_default(tmp_path: Path, monkeypa
     assert plan.sources["precision"] == "flag"
     assert plan.sources["gradient_accumulation_steps"] == "environment"
     assert plan.sources["debug"] == "config"
-    assert (plan.launch["num_processes"], plan.launch["rdzv_timeout"], plan.launch["num_nodes"]) == (3, 60.0, 1)
+    assert (plan.launch.num_processes, plan.launch.rdzv_timeout, plan.launch.num_nodes) == (3, 60.0, 1)
     assert (plan.sources["num_processes"], plan.sources["num_nodes"]) == ("config", "default")
     assert plan.flags == ("precision",)
     env = plan.worker_env()
     assert env["ACCELKIT_PRECISION"] == "no" and env["ACCELKIT_GRADIENT_ACCUMULATION_STEPS"] == "4"
     assert (env["ACCELKIT_DEBUG"], env["ACCELKIT_LAUNCH_FLAGS"], env["ACCELKIT_CONFIG_FILE"]) == ("1", "precision", "")
-    assert _plan("--config-file", config, "-n", "2", PROBE).launch["num_processes"] == 2
+    assert _plan("--config-file", config, "-n", "2", PROBE).launch.num_processes == 2
 
 
 def test_the_config_file_variable_is_read_and_gpu_ids_restrict_the_devices(
@@ -98,7 +96,8 @@ def test_an_accelerate_config_is_read_and_its_ignored_keys_noted(tmp_path: Path)
     )
     plan = _plan("--config-file", config, PROBE)
     assert plan.options == {"precision": "bf16", "strategy": "ddp"}
-    assert {k: plan.launch[k] for k in ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port")} == {
+    names = ("num_processes", "num_nodes", "node_rank", "master_addr", "master_port")
+    assert {k: getattr(plan.launch, k) for k in names} == {
         "num_processes": 2, "num_nodes": 2, "node_rank": 1, "master_addr": "10.1.2.3", "master_port": 29555,
     }  # fmt: skip
     assert len(plan.notes) == 1 and "tpu_use_cluster" in plan.notes[0]

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 import accelkit as ak
-from accelkit._options import DEFAULT_TIMEOUT, Options
+from accelkit._options import DEFAULT_TIMEOUT
 from accelkit.cli import main as cli
 from accelkit.config import _file as _config
+from accelkit.config import config_in_effect, resolve
 from accelkit.errors import ConfigurationError
 
 
@@ -119,7 +120,7 @@ def test_config_path_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert _config.config_path(explicit) == explicit
     monkeypatch.setenv("ACCELKIT_CONFIG_FILE", "")
     assert _config.config_path() is None  # empty: no config file, even though the default exists
-    assert _config.state_options() == {}
+    assert _state_options() == {}
 
 
 def test_missing_config_files_are_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,38 +139,43 @@ def test_precedence_explicit_over_environment_over_file_over_default(
 ) -> None:
     path = _config.write_config({"precision": "bf16", "gradient_accumulation_steps": 4, "debug": True}, tmp_path / "c")
     monkeypatch.setenv("ACCELKIT_CONFIG_FILE", str(path))
-    from_file = Options.resolve({})
+    from_file = resolve(call="test").options
     assert (from_file.precision, from_file.gradient_accumulation_steps, from_file.debug) == ("bf16", 4, True)
     assert from_file.timeout == DEFAULT_TIMEOUT  # not in the file: the default
     assert ak.state().options.gradient_accumulation_steps == 4  # the process state reads it too
     ak.reset_state()
     monkeypatch.setenv("ACCELKIT_PRECISION", "fp16")
     monkeypatch.setenv("ACCELKIT_DEBUG", "0")
-    from_env = Options.resolve({})
+    from_env = resolve(call="test").options
     assert (from_env.precision, from_env.gradient_accumulation_steps, from_env.debug) == ("fp16", 4, False)
-    explicit = Options.resolve({"precision": "no", "gradient_accumulation_steps": 2})
+    explicit = resolve({"precision": "no", "gradient_accumulation_steps": 2}, call="test").options
     assert (explicit.precision, explicit.gradient_accumulation_steps, explicit.debug) == ("no", 2, False)
+
+
+def _state_options() -> dict[str, object]:
+    config = config_in_effect()
+    return config.state if config is not None else {}
 
 
 def test_state_options_follow_edits_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _config.write_config({"precision": "bf16"}, tmp_path / "c.yaml")
     monkeypatch.setenv("ACCELKIT_CONFIG_FILE", str(path))
-    assert _config.state_options() == {"precision": "bf16"}
+    assert _state_options() == {"precision": "bf16"}
     path.write_text("precision: fp16\ndebug: true\n")
-    assert _config.state_options() == {"precision": "fp16", "debug": True}
+    assert _state_options() == {"precision": "fp16", "debug": True}
     path.write_text("precision: fp61\n")
     with pytest.raises(ConfigurationError, match=rf"{path}:1: precision: .*did you mean 'fp16'\?"):
-        Options.resolve({})
+        resolve(call="test")
 
 
 def test_without_a_config_file_yaml_is_not_imported(tmp_path: Path) -> None:
-    probe = "import sys, accelkit.config._file as c; print(c.state_options(), 'yaml' in sys.modules)"
+    probe = "import sys, accelkit.config as c; print(c.config_in_effect(), 'yaml' in sys.modules)"
     for extra in ({}, {"ACCELKIT_CONFIG_FILE": "x"}):
         env = _subprocess_env(XDG_CONFIG_HOME=str(tmp_path))
         env.pop("ACCELKIT_CONFIG_FILE") if extra else None  # unset: the default path, which does not exist
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == ["{}", "False"]
+        assert done.stdout.split() == ["None", "False"]
 
 
 def test_missing_pyyaml_names_the_install_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import accelkit as ak
-from accelkit._strategies.deepspeed import DEFAULT_CONFIG, fill_auto, load_config, set_defaults
+from accelkit._strategies.deepspeed import DEFAULT_CONFIG, fill_auto, read_deepspeed_config, set_defaults
 from accelkit.errors import ConfigurationError
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -73,14 +73,14 @@ def test_what_cannot_be_filled_is_an_error_naming_it() -> None:
 def test_the_config_is_a_file_json_text_or_the_default(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(AUTO))
-    assert load_config(str(path)) == AUTO == load_config(json.dumps(AUTO))
-    assert load_config(None) == DEFAULT_CONFIG and load_config(None) is not DEFAULT_CONFIG
+    assert read_deepspeed_config(str(path)) == AUTO == read_deepspeed_config(json.dumps(AUTO))
+    assert read_deepspeed_config(None) == DEFAULT_CONFIG and read_deepspeed_config(None) is not DEFAULT_CONFIG
     with pytest.raises(ConfigurationError, match=r"deepspeed_config='missing\.json' is neither JSON text nor"):
-        load_config("missing.json")
+        read_deepspeed_config("missing.json")
     with pytest.raises(ConfigurationError, match=r"is not valid JSON"):
-        load_config("{not json")
+        read_deepspeed_config("{not json")
     with pytest.raises(ConfigurationError, match="must hold a JSON object, not list"):
-        load_config("[1]")
+        read_deepspeed_config("[1]")
 
 
 def test_accelkit_defaults_fill_only_what_the_config_leaves_out() -> None:

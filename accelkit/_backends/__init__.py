@@ -22,6 +22,10 @@ class Backend(Protocol):
 
     def is_available(self) -> bool: ...
 
+    def device_count(self) -> int:
+        """How many devices of this kind this machine shows (the CPU counts as one)."""
+        ...
+
     def device(self, local_rank: int) -> torch.device:
         """The device local rank ``local_rank`` uses; makes it current where that applies."""
         ...
@@ -40,4 +44,20 @@ def select_backend(cpu: bool = False) -> Backend:
     return CPUBackend()
 
 
-__all__ = ["Backend", "select_backend"]
+def accelerator_count() -> int:
+    """The visible accelerators of the first available kind; 0 on a machine without one."""
+    hardware = select_backend()
+    return 0 if hardware.name == "cpu" else hardware.device_count()
+
+
+def local_device_count(cpu: bool = False) -> int:
+    """Processes to start per node by default: one per visible accelerator, else one.
+
+    Example:
+        >>> local_device_count(cpu=True)
+        1
+    """
+    return 1 if cpu else max(1, accelerator_count())
+
+
+__all__ = ["Backend", "accelerator_count", "local_device_count", "select_backend"]

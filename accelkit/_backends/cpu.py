@@ -12,6 +12,9 @@ class CPUBackend:
     def is_available(self) -> bool:
         return True
 
+    def device_count(self) -> int:
+        return 1
+
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cpu")
 

@@ -14,8 +14,11 @@ class CUDABackend:
     def is_available(self) -> bool:
         return torch.cuda.is_available()
 
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
     def device(self, local_rank: int) -> torch.device:
-        count = torch.cuda.device_count()
+        count = self.device_count()
         if local_rank >= count:
             raise ConfigurationError(
                 f"local rank {local_rank} needs cuda:{local_rank}, but {count} CUDA "

@@ -18,6 +18,9 @@ class _Unsupported:
     def is_available(self) -> bool:
         return False
 
+    def device_count(self) -> int:
+        return 1
+
     def device(self, local_rank: int) -> torch.device:
         raise ConfigurationError(
             f"accelkit found a {self.name} device but does not support it yet: {self.missing}. "

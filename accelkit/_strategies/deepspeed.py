@@ -20,20 +20,25 @@ and leaves it to the config for any other.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import _state
-from ..errors import ConfigurationError
-from ..training._optim import PreparedOptimizer, PreparedScheduler
+from .._options import Options
+from ..errors import ConfigurationError, StateError
+from . import Setup
+from .single import SingleProcess
 
-__all__ = ["DEFAULT_CONFIG", "fill_auto", "load_config", "prepare_with_deepspeed", "set_defaults"]
+__all__ = ["DEFAULT_CONFIG", "DeepSpeed", "fill_auto", "read_deepspeed_config", "set_defaults"]
 
 # Used when no deepspeed_config is given: ZeRO stage 2, everything else from accelkit's options.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -45,7 +50,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-def load_config(value: str | None) -> dict[str, Any]:
+def read_deepspeed_config(value: str | None) -> dict[str, Any]:
     """The DeepSpeed config from ``deepspeed_config``: a JSON file path or JSON text (None: the default)."""
     if value is None:
         return json.loads(json.dumps(DEFAULT_CONFIG))  # type: ignore[no-any-return]
@@ -159,125 +164,105 @@ def _autos(node: Any, path: str = "") -> list[str]:
     return [path] if node == "auto" else []
 
 
-def prepare_with_deepspeed(objects: Sequence[Any], loader_options: dict[str, Any]) -> list[Any]:
-    """``ak.prepare``'s objects through ``deepspeed.initialize``; the same order."""
+class DeepSpeed(SingleProcess):
+    """One ``deepspeed.initialize`` per model, with its optimizer and scheduler; the engine runs the step."""
+
+    name = "deepspeed"
+    owns_schedulers = True
+
+    def __init__(self, options: Options, device: torch.device, world_size: int) -> None:
+        super().__init__(options, device)
+        self.world_size = world_size
+        self._engine: weakref.ref[Any] | None = None  # what ak.backward and optimizer.step() drive
+        self._skipped = 0  # the engine's fp16 overflow count at the last step
+
+    def setup(
+        self,
+        models: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        *,
+        micro_batch_size: int | None,
+        model_options: Mapping[str, Any],
+    ) -> Setup:
+        for kind, given in (("model", models), ("optimizer", optimizers), ("scheduler", schedulers)):
+            if len(given) > 1:
+                raise ConfigurationError(
+                    f'strategy="deepspeed" prepares one {kind} per ak.prepare call (one DeepSpeed engine), '
+                    f"got {len(given)}; prepare each model with its own optimizer and scheduler"
+                )
+        if not models:
+            return [], list(optimizers), list(schedulers)
+        deepspeed = _import_deepspeed()
+        optimizer = optimizers[0] if optimizers else None
+        scheduler = schedulers[0] if schedulers else None
+        config = fill_auto(
+            set_defaults(read_deepspeed_config(self.options.deepspeed_config), optimizer),
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=self.options.gradient_accumulation_steps,
+            precision=self.options.precision,
+            world_size=self.world_size,
+        )
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            model=models[0], optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        if self._engine is None or self._engine() is None:  # two engines: ak.backward drives the first
+            self._engine = weakref.ref(engine)
+            self._skipped = getattr(engine, "skipped_steps", 0)
+        return (
+            [engine],
+            [ds_optimizer] if optimizer is not None else [],
+            [ds_scheduler or scheduler] if scheduler else [],
+        )
+
+    def grad_scaler(self) -> Any:
+        return None  # the engine scales fp16 losses itself
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the engine accumulates itself (ZeRO has no no_sync)
+
+    def backward(self, loss: torch.Tensor, *, divide_by: int, scaler: Any, boundary: bool, **kwargs: Any) -> None:
+        engine = self._current_engine()
+        # Before the backward: the engine reduces the gradients during it on a boundary.
+        engine.set_gradient_accumulation_boundary(boundary)
+        if divide_by > 1:
+            loss = loss / divide_by
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, scaler: Any, closure: Callable[[], float] | None, *, boundary: bool
+    ) -> tuple[float | None, bool | None]:
+        # On every micro-step: the engine steps the optimizer only on the boundary ak.backward set.
+        engine = self._current_engine()
+        engine.step()
+        skipped = getattr(engine, "skipped_steps", 0)  # fp16 overflows
+        was_skipped, self._skipped = skipped > self._skipped, skipped
+        return None, was_skipped if boundary else None
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
+        pass  # the engine zeroes the gradients after its step
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        engine_type = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)
+        if engine_type is not None and isinstance(model, engine_type):
+            model = model.module
+        return super().unwrap(model)
+
+    def _current_engine(self) -> Any:
+        engine = self._engine() if self._engine is not None else None
+        if engine is None:
+            raise StateError(
+                'strategy="deepspeed": no DeepSpeed engine is alive; ak.prepare(model, optimizer) first, '
+                "then ak.backward(loss) and optimizer.step()"
+            )
+        return engine
+
+
+def _import_deepspeed() -> Any:
     try:
-        deepspeed = importlib.import_module("deepspeed")
+        return importlib.import_module("deepspeed")
     except ImportError as exc:
         raise ImportError(
             f'strategy="deepspeed" needs DeepSpeed, which is not installed ({exc}); '
             f'run: pip install "accelkit[deepspeed]", or use strategy="fsdp"'
         ) from exc
-    from ..data import prepare_dataloader
-
-    st = _state.get()
-    slots: dict[str, list[int]] = {"model": [], "optimizer": [], "scheduler": [], "loader": []}
-    for i, obj in enumerate(objects):
-        slots[_kind(obj)].append(i)
-    for kind in ("model", "optimizer", "scheduler"):
-        if len(slots[kind]) > 1:
-            raise ConfigurationError(
-                f'strategy="deepspeed" prepares one {kind} per ak.prepare call (one DeepSpeed engine), '
-                f"got {len(slots[kind])}; prepare each model with its own optimizer and scheduler"
-            )
-    prepared = list(objects)
-    for i in slots["loader"]:
-        prepared[i] = prepare_dataloader(objects[i], **loader_options)
-    batch_sizes = [objects[i].batch_size for i in slots["loader"] if objects[i].batch_size]
-    if not slots["model"]:
-        return prepared
-    model = objects[slots["model"][0]]
-    optimizer = objects[slots["optimizer"][0]] if slots["optimizer"] else None
-    scheduler = objects[slots["scheduler"][0]] if slots["scheduler"] else None
-    config = fill_auto(
-        set_defaults(load_config(st.options.deepspeed_config), optimizer),
-        micro_batch_size=batch_sizes[0] if batch_sizes else None,
-        gradient_accumulation_steps=st.options.gradient_accumulation_steps,
-        precision=st.options.precision,
-        world_size=st.world_size,
-    )
-    if st.options.precision != "no":
-        from ..training._prepare import _autocast_forward
-
-        # The engine casts the weights; autocast lets fp32 batches meet them, as under DDP and FSDP.
-        _autocast_forward(model, st.options.precision, st.device.type)
-    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
-    )
-    engine._accelkit_prepared = engine._accelkit_deepspeed = True
-    prepared[slots["model"][0]] = engine
-    if optimizer is not None:
-        wrapped = DeepSpeedOptimizer(ds_optimizer, engine)
-        _state.training.optimizers.add(wrapped)
-        prepared[slots["optimizer"][0]] = wrapped
-    if scheduler is not None:
-        prepared[slots["scheduler"][0]] = DeepSpeedScheduler(ds_scheduler or scheduler)
-    return prepared
-
-
-def _kind(obj: Any) -> str:
-    from ..training._prepare import _looks_like_scheduler
-
-    if isinstance(obj, nn.Module):
-        return "model"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, torch.utils.data.DataLoader):
-        return "loader"
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or _looks_like_scheduler(obj):
-        return "scheduler"
-    raise TypeError(
-        f"accelkit.prepare() cannot prepare {type(obj).__module__}.{type(obj).__qualname__} under "
-        f'strategy="deepspeed"; it takes one nn.Module, its optimizer and LR scheduler, and DataLoaders'
-    )
-
-
-class _Engine:
-    """The engine as ``ak.backward`` sees it: ``backward`` on ``ak.accumulate``'s boundary and scale.
-
-    Anything else is the engine's own.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
-        training = _state.training
-        # Before the backward: the engine reduces the gradients during it on a boundary.
-        self.engine.set_gradient_accumulation_boundary(training.sync_gradients)
-        if training.accumulation_steps > 1:
-            loss = loss / training.accumulation_steps
-        return self.engine.backward(loss, scale_wrt_gas=False, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["engine"], name)
-
-
-class DeepSpeedOptimizer(PreparedOptimizer):
-    """The engine's optimizer: ``step()`` is ``engine.step()``, ``zero_grad()`` is the engine's business."""
-
-    def __init__(self, optimizer: Any, engine: Any) -> None:
-        super().__init__(optimizer)
-        self.engine = _state.training.deepspeed_engine = _Engine(engine)  # what ak.backward drives
-        self._skipped = getattr(engine, "skipped_steps", 0)
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        # On every micro-step: the engine steps the optimizer only on the boundary ak.backward set.
-        engine = self.engine.engine
-        engine.step()
-        skipped = getattr(engine, "skipped_steps", 0)  # fp16 overflows
-        self.step_was_skipped, self._skipped = skipped > self._skipped, skipped
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-
-class DeepSpeedScheduler(PreparedScheduler):
-    """The scheduler DeepSpeed steps itself: ``step()`` does nothing."""
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedScheduler({self.scheduler!r})"

@@ -14,20 +14,18 @@ fp32, and returns fp32 outputs, exactly as under DDP.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
+from .._options import Options, suggest
 from ..errors import ConfigurationError, StateError
+from .single import SingleProcess
 
-if TYPE_CHECKING:
-    from .._state import ProcessState
-
-__all__ = ["grad_scaler", "is_fsdp_module", "no_gradient_sync", "repoint_optimizer", "select_units", "shard"]
+__all__ = ["FSDP", "fully_shard_model", "select_units"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -47,8 +45,8 @@ def select_units(model: nn.Module, wrap: tuple[str, ...] = (), min_params: int =
     classes = {type(m).__name__ for m in model.modules()}
     for name in wrap:
         if name not in classes:
-            close = difflib.get_close_matches(name, sorted(classes), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = suggest(name, sorted(classes))[2:]
+            hint = f"{hint} " if hint else ""
             raise ConfigurationError(
                 f"fsdp_wrap names {name!r}, but {type(model).__name__} has no submodule of that class; {hint}"
                 f"name classes of this model (match is by class __name__): {', '.join(sorted(classes))}"
@@ -71,78 +69,71 @@ def select_units(model: nn.Module, wrap: tuple[str, ...] = (), min_params: int =
     return units
 
 
-def shard(model: nn.Module, st: ProcessState) -> nn.Module:
+class FSDP(SingleProcess):
+    """Shards models in place with FSDP2's ``fully_shard`` (units from the policy, then the root)."""
+
+    name = "fsdp"
+
+    def __init__(self, options: Options, device: torch.device, world_size: int) -> None:
+        super().__init__(options, device)
+        self.world_size = world_size
+        # parameter -> its shard, for optimizers built before prepare (see fit_optimizer)
+        self._shard_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
+        before = dict(model.named_parameters(remove_duplicate=False))
+        fully_shard_model(model, self.options, self.device, self.world_size)
+        # An optimizer built before prepare holds the old parameters: remember each one's shard.
+        for name, new in model.named_parameters(remove_duplicate=False):
+            old = before.get(name)
+            if old is not None and old is not new:
+                self._shard_of[old] = new
+        return model
+
+    def fit_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer``'s param groups at the shards of the parameters it was built with.
+
+        Hyper-parameters and the group structure stay; an optimizer that already has state
+        (it stepped, or loaded a checkpoint) cannot follow its parameters into shards.
+        """
+        stale = [p for group in optimizer.param_groups for p in group["params"] if p in self._shard_of]
+        if stale and optimizer.state:
+            raise StateError(
+                f"{type(optimizer).__name__} already has state for {len(optimizer.state)} parameter(s), and FSDP "
+                f"replaced its parameters with shards, to which that state does not fit. Prepare the model and the "
+                f"optimizer before the first step, and restore optimizer state after ak.prepare (ak.load_state)."
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._shard_of.get(p, p) for p in group["params"]]  # type: ignore[no-untyped-call]
+        super().fit_optimizer(optimizer)
+
+    def grad_scaler(self) -> Any:
+        """The fp16 grad scaler for sharded gradients: it agrees on overflow across ranks."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.device.type)
+
+
+def fully_shard_model(model: nn.Module, options: Options, device: torch.device, world_size: int) -> nn.Module:
     """Apply ``fully_shard`` to the policy's units, then to ``model`` (in place); returns ``model``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):  # the user sharded it already
         return model
-    opts = st.options
-    units = [u for u in select_units(model, opts.fsdp_wrap, opts.fsdp_min_params) if not isinstance(u, FSDPModule)]
-    dtype = _DTYPES.get(opts.precision)
+    units = select_units(model, options.fsdp_wrap, options.fsdp_min_params)
+    units = [u for u in units if not isinstance(u, FSDPModule)]
+    dtype = _DTYPES.get(options.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     # Pinned host memory needs an accelerator; on a CPU device the offload is a plain copy.
-    offload = CPUOffloadPolicy(pin_memory=st.device.type != "cpu") if opts.fsdp_cpu_offload else OffloadPolicy()
-    mesh = init_device_mesh(st.device.type, (st.world_size,))
-    before = dict(model.named_parameters(remove_duplicate=False))
+    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if options.fsdp_cpu_offload else OffloadPolicy()
+    mesh = init_device_mesh(device.type, (world_size,))
     for module in [*units, model]:
         fully_shard(
             module,
             mesh=mesh,
-            reshard_after_forward=opts.fsdp_reshard_after_forward,
+            reshard_after_forward=options.fsdp_reshard_after_forward,
             mp_policy=mp_policy,
             offload_policy=offload,
         )
-    # An optimizer built before prepare holds the old parameters: leave each a pointer to its
-    # shard, which repoint_optimizer follows when that optimizer is prepared.
-    for name, new in model.named_parameters(remove_duplicate=False):
-        old = before.get(name)
-        if old is not None and old is not new:
-            old._accelkit_sharded_as = new  # type: ignore[attr-defined]
     return model
-
-
-def repoint_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Point ``optimizer``'s param groups at the shards of parameters that ``shard`` replaced.
-
-    Hyper-parameters and the group structure stay; an optimizer that already has state
-    (it stepped, or loaded a checkpoint) cannot follow its parameters into shards.
-    """
-    stale = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_accelkit_sharded_as")]
-    if not stale:
-        return
-    if optimizer.state:
-        raise StateError(
-            f"{type(optimizer).__name__} already has state for {len(optimizer.state)} parameter(s), and FSDP "
-            f"replaced its parameters with shards, to which that state does not fit. Prepare the model and the "
-            f"optimizer before the first step, and restore optimizer state after ak.prepare (ak.load_state)."
-        )
-    for group in optimizer.param_groups:
-        group["params"] = [getattr(p, "_accelkit_sharded_as", p) for p in group["params"]]
-
-
-def is_fsdp_module(model: nn.Module) -> bool:
-    """Whether ``model`` is an FSDP2 module (without importing FSDP to ask)."""
-    return callable(getattr(model, "set_requires_gradient_sync", None))
-
-
-@contextlib.contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """FSDP2's ``no_sync``: gradients accumulate unreduced until the outermost region ends."""
-    depth: int = getattr(model, "_accelkit_no_sync_depth", 0)
-    model._accelkit_no_sync_depth = depth + 1  # type: ignore[assignment]
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model._accelkit_no_sync_depth = depth  # type: ignore[assignment]
-        if depth == 0:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
-def grad_scaler(device_type: str) -> Any:
-    """The fp16 grad scaler for sharded gradients: it agrees on overflow across ranks."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    return ShardedGradScaler(device_type)

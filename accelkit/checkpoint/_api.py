@@ -67,7 +67,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = Non
     if token[13:] != str(target):
         raise CheckpointError(f"{call} on rank {st.rank}, but rank 0 saves to {token[13:]!r}; pass the same directory")
     main = st.is_main_process
-    _agree(call, "nothing was written", lambda: _commit.begin(target, tmp) if main else None)
+    _every_rank(call, "nothing was written", lambda: _commit.begin(target, tmp) if main else None)
 
     def write() -> dict[str, _safe_io.FileRecord]:
         files = {}
@@ -81,7 +81,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = Non
         return files
 
     undo = f"nothing was committed; the previous checkpoints are untouched and {tmp.name} is removed by the next save"
-    parts = _agree_all(call, undo, write)
+    parts = _every_rank_results(call, undo, write)
     files = {name: rec for part in parts for name, rec in part.items()}
     manifest = _manifest.build(files, sorted([*states, *sharded]), values, st.world_size, sorted(sharded))
 
@@ -91,9 +91,9 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = Non
                 _sharded.check_listed(tmp / f"{name}{_sharded.SUFFIX}", files)
             _commit.commit(tmp, target, manifest)
 
-    _agree(call, undo, commit)
+    _every_rank(call, undo, commit)
     if keep_last is not None:
-        _agree(
+        _every_rank(
             call,
             f"{target} was committed but pruning failed",
             lambda: _commit.prune(target, keep_last) if main else None,
@@ -128,10 +128,10 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
             )
     st = _state.get()
     path = Path(directory)
-    body, states, mine = _agree(call, "nothing was changed", lambda: _read(path, objects, st, strict))
+    body, states, mine = _every_rank(call, "nothing was changed", lambda: _read(path, objects, st, strict))
     sharded = [name for name in objects if name in body["sharded"]]
     for name in objects:
-        if name not in sharded and _sharded.is_sharded(_unwrapped(objects[name])):
+        if name not in sharded and _state.strategy().shards_state(_unwrapped(objects[name])):
             raise CheckpointError(
                 f"{call}: {path / name}.pt was saved unsharded but {name} here holds sharded (DTensor) state; "
                 f"load it into the unsharded {name}, then shard it (fully_shard / ak.prepare)"
@@ -145,7 +145,7 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
             if name in sharded
         }
 
-    appliers = _agree(call, "nothing was changed", read_sharded)
+    appliers = _every_rank(call, "nothing was changed", read_sharded)
     for name, obj in objects.items():
         try:
             if name in appliers:
@@ -184,7 +184,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
         safetensors_torch = None
     target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
     module = unwrap(model)
-    full = _sharded.full_state_dict(module) if _sharded.is_sharded(module) else None  # a collective
+    full = _sharded.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
     if not _state.get().is_main_process:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +243,7 @@ def _split(call: str, objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         if not name.isidentifier():
             raise ValueError(f"{call}: object name {name!r} is not an identifier; name objects like model=...")
         if callable(getattr(obj, "state_dict", None)):
-            if _sharded.is_sharded(_unwrapped(obj)):
+            if _state.strategy().shards_state(_unwrapped(obj)):
                 sharded[name] = obj
             else:
                 states[name] = _unwrapped(obj).state_dict()
@@ -330,17 +330,17 @@ def _share(names: list[str], files: dict[str, _safe_io.FileRecord], st: _state.P
     return [n for n in names if n not in set(shards)] + mine
 
 
-def _agree(call: str, consequence: str, step: Callable[[], T]) -> T:
+def _every_rank(call: str, consequence: str, step: Callable[[], T]) -> T:
     """Run ``step`` on every rank; its result here, or the same CheckpointError on every rank.
 
     Every rank must call it: the ranks exchange success or failure (a small message, never
     the result), so that one rank's error never leaves the others waiting or goes on to a commit.
     """
-    return _agree_all(call, consequence, step, share=False)[0]
+    return _every_rank_results(call, consequence, step, share=False)[0]
 
 
-def _agree_all(call: str, consequence: str, step: Callable[[], T], share: bool = True) -> list[T]:
-    """:func:`_agree`, returning every rank's result (with ``share``: keep results small)."""
+def _every_rank_results(call: str, consequence: str, step: Callable[[], T], share: bool = True) -> list[T]:
+    """:func:`_every_rank`, returning every rank's result (with ``share``: keep results small)."""
     st = _state.get()
     error: Exception | None = None
     value: Any = None

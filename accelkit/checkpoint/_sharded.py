@@ -18,10 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import itertools
 import os
 import pickle
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,7 +36,6 @@ __all__ = [
     "SUFFIX",
     "check_listed",
     "full_state_dict",
-    "is_sharded",
     "load",
     "optimizer_owner",
     "read_metadata",
@@ -51,27 +48,8 @@ SUFFIX = ".dcp"
 _METADATA = ".metadata"
 
 
-def _dtensor_type() -> type | None:
-    # A DTensor exists only once its module was imported: no need to import it (slow) to look.
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def _torch_optimizer(obj: Any) -> Any:
     return obj.optimizer if isinstance(obj, PreparedOptimizer) else obj
-
-
-def is_sharded(obj: Any) -> bool:
-    """Whether ``obj`` (a module, or an optimizer) holds DTensors: parameters, buffers or optimizer state."""
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return False
-    if isinstance(obj, nn.Module):
-        return any(isinstance(t, dtensor) for t in itertools.chain(obj.parameters(), obj.buffers()))
-    optimizer = _torch_optimizer(obj)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return any(isinstance(p, dtensor) for group in optimizer.param_groups for p in group["params"])
-    return False
 
 
 def optimizer_owner(call: str, name: str, optimizer: Any, modules: dict[str, nn.Module]) -> nn.Module:

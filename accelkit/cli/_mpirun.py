@@ -14,13 +14,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from .. import _env
 from ..errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from .launch import Plan
+from ._plan import LaunchPlan, describe, local_processes, print_warnings
 
 
 def mpirun_command(
@@ -60,10 +57,9 @@ def hostfile_hosts(path: str) -> list[str]:
     return [words[0] for words in lines if words]
 
 
-def run_mpirun(plan: Plan) -> int:
+def run_mpirun(plan: LaunchPlan) -> int:
     """Start the script under ``mpirun``; the exit code (failed ranks named on stderr)."""
-    from ..launcher._agent import free_port
-    from .launch import _describe, _num_processes, _warn
+    from ..launcher._rendezvous import free_port
 
     mpirun = shutil.which("mpirun")
     if mpirun is None:
@@ -72,15 +68,15 @@ def run_mpirun(plan: Plan) -> int:
             "--mpirun to start the processes on torch's elastic agent"
         )
     _check_open_mpi(mpirun)
-    nprocs = _num_processes(plan)
-    hostfile = plan.launch["hostfile"]
+    nprocs = local_processes(plan)
+    hostfile = plan.launch.hostfile
     hosts = hostfile_hosts(hostfile) if hostfile else []
     local = -(-nprocs // max(len(hosts), 1))  # processes on each machine, evenly spread
-    _warn(local)
+    print_warnings(local)
     cpus = os.cpu_count() or 1
     env = plan.worker_env()
     env["MASTER_ADDR"] = hosts[0] if hosts else "127.0.0.1"
-    env["MASTER_PORT"] = str(plan.launch["master_port"] or free_port())
+    env["MASTER_PORT"] = str(plan.launch.master_port or free_port())
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, cpus // local))
     run_dir = tempfile.mkdtemp(prefix="accelkit-run-")
@@ -96,7 +92,7 @@ def run_mpirun(plan: Plan) -> int:
     )
     if plan.options.get("debug"):
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-        _describe(plan, f"{nprocs} process(es) with mpirun: {shown} {shlex.join(cmd)}")
+        describe(plan, f"{nprocs} process(es) with mpirun: {shown} {shlex.join(cmd)}")
     try:
         return _wait_mpirun(cmd, {**os.environ, **env}, run_dir)
     finally:
@@ -133,7 +129,7 @@ def _wait_mpirun(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
         return 130
     if code == 0:
         return 0
-    from ..launcher._agent import collect_failures
+    from ..launcher._failures import collect_failures
 
     error = collect_failures(run_dir, {})
     if error.failures:

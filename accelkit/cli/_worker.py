@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-import traceback
 
-# This runner's frames and runpy's (frozen into the interpreter since Python 3.11) come before the user's.
-_SKIPPED = (os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>")
+from .. import _frames
+
+# runpy's frames (frozen into the interpreter since Python 3.11) come before the user's, after this runner's.
+_RUNPY = (os.path.abspath(runpy.__file__), "<frozen runpy>")
 
 
 def main(argv: list[str]) -> int:
@@ -55,26 +56,16 @@ def main(argv: list[str]) -> int:
 
 def _report(exc: BaseException) -> None:
     """Print the traceback as Python would, then write the failure record for the launcher."""
-    text = _user_traceback(exc)
+    text = _frames.user_traceback(exc, _RUNPY, keep_last=False)  # the user's code first
     if not isinstance(exc, SystemExit):
         sys.stderr.write(text)
         sys.stderr.flush()
     from .._env import RUN_DIR
-    from ..launcher._agent import record_failure  # imports torch: only once something failed
+    from ..launcher._failures import record_failure
 
     run_dir = os.environ.get(RUN_DIR)
     if run_dir:
         record_failure(run_dir, exc, text)
-
-
-def _user_traceback(exc: BaseException) -> str:
-    """The formatted traceback, starting at the first frame of the user's code."""
-    summary = traceback.TracebackException.from_exception(exc)
-    stack = list(summary.stack)
-    while stack and (stack[0].filename in _SKIPPED or os.path.abspath(stack[0].filename) in _SKIPPED):
-        stack.pop(0)  # all of them for a SyntaxError in the script: Python shows just the bad line
-    summary.stack = traceback.StackSummary.from_list(stack)
-    return "".join(summary.format())
 
 
 if __name__ == "__main__":

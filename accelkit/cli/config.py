@@ -38,14 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config._basic import _write_basic
+    from ..config import write_basic_config
     from ..config._file import default_config_path, write_config
     from ..errors import ConfigurationError
 
     path = Path(args.config_file).expanduser() if args.config_file else default_config_path()
     try:
         if args.config_mode == "default":
-            written = _write_basic(args.precision, path, None, args.cpu, args.force, "`accelkit config default`")
+            written = write_basic_config(
+                args.precision, path, cpu=args.cpu, overwrite=args.force, written_by="`accelkit config default`"
+            )
         else:
             replaces = " (it exists: it will be replaced)" if path.exists() else ""
             print(f"Writing {path}{replaces}. Press Enter to take the [default].")
@@ -70,7 +72,9 @@ def interview() -> dict[str, object]:
         _ask("Run on this machine only, or on several machines? (this/several)", "this", _one_of(("this", "several")))
         == "several"
     )
-    gpus = _cuda_devices()
+    from .._backends import accelerator_count  # imports torch: only once the questions start
+
+    gpus = accelerator_count()
     values: dict[str, object] = {
         "num_processes": _ask("How many processes on each machine (one per GPU)?", str(max(gpus, 1)), _integer(1)),
         "num_nodes": 1,
@@ -170,12 +174,6 @@ def _class_names(answer: str) -> list[str]:
     if bad:
         raise ValueError(f"{bad[0]!r} is not a class name (e.g. TransformerBlock)")
     return names
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _note_environment(written: Path) -> None:

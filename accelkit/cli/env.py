@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from typing import Any
+
+from .. import _env
+from ..config import ConfigFile, config_in_effect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,12 +38,12 @@ def run(args: argparse.Namespace) -> int:
     print("\n### Config")
     num_processes = 1
     try:
-        path, config = load_config(args.config_file)
-    except (OSError, ValueError) as exc:  # a broken config file is worth reporting, not a crash
+        config = config_in_effect(args.config_file)
+    except (OSError, ValueError, ImportError) as exc:  # a broken config file is worth reporting, not a crash
         _print_items({"error": str(exc)})
     else:
-        _print_items(describe_config(path, config))
-        num_processes = config_num_processes(config) or 1
+        _print_items(describe_config(config))
+        num_processes = config.launch.get("num_processes", 1) if config is not None else 1  # type: ignore[assignment]
     print("\n### ACCELKIT_* variables")
     for line in [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ACCELKIT_")] or ["none"]:
         print(f"- {line}")
@@ -51,44 +53,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_config(config_file: str | None) -> tuple[str | None, Any]:
-    """The config file in effect (``config_file``, else the default) and what it holds.
+def describe_config(config: ConfigFile | None) -> dict[str, str]:
+    """The config's file, kind, options and ignored keys, as report lines (where it looked, without one)."""
+    if config is None:
+        from ..config import default_config_path
 
-    ``(None, None)`` when there is none. Raises the config loader's error for a broken file.
-    """
-
-    from ..config import _file as _config
-
-    config_path = getattr(_config, "config_path", None)
-    load = getattr(_config, "load_config", None)
-    if config_path is None or load is None:  # no config-file support in this build
-        return None, None
-    path = config_path(config_file)
-    return (None, None) if path is None else (os.fspath(path), load(path))
-
-
-def describe_config(path: str | None, config: Any) -> dict[str, str]:
-    """The config's file, kind, options and ignored keys, as report lines."""
-    if path is None or config is None:
-        return {"file": "none"}
-    kind = getattr(config, "kind", None)
-    out = {"file": f"{path} ({kind})" if kind else path}
-    for section in ("launch", "state"):
-        values = getattr(config, section, None)
-        if isinstance(values, Mapping):
-            out.update({str(k): repr(v) if isinstance(v, str) else str(v) for k, v in values.items()})
-    ignored = getattr(config, "ignored", None)
-    if ignored:
-        notes = getattr(config, "notes", None) or {}
-        out["ignored"] = ", ".join(f"{k} ({notes[k]})" if k in notes else str(k) for k in ignored)
+        chosen = os.environ.get(_env.CONFIG_FILE)
+        looked = f"{_env.CONFIG_FILE} is empty" if chosen is not None else f"no {default_config_path()}"
+        return {"file": f"none ({looked})"}
+    out = {"file": f"{config.path} ({config.kind})"}
+    for values in (config.launch, config.state):
+        out.update({str(k): repr(v) if isinstance(v, str) else str(v) for k, v in values.items()})
+    if config.ignored:
+        out["ignored"] = ", ".join(f"{k} ({config.notes[k]})" if k in config.notes else k for k in config.ignored)
     return out
-
-
-def config_num_processes(config: Any) -> int | None:
-    """The config's ``num_processes`` (per node), if it sets a valid one."""
-    launch = getattr(config, "launch", None)
-    value = launch.get("num_processes") if isinstance(launch, Mapping) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _print_items(items: Mapping[str, str]) -> None:

@@ -10,37 +10,15 @@ variables. Nothing here imports torch until a launch really starts.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
 
-from .. import _env
-from .._options import DEFAULT_RDZV_TIMEOUT, PRECISIONS, STRATEGIES, validate
+from .._options import DEFAULT_RDZV_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES
+from ..config import config_in_effect
 from ..errors import ConfigurationError
+from ._plan import LaunchPlan, describe, local_processes, plan_launch, print_warnings
 from ._types import int_at_least
-
-if TYPE_CHECKING:
-    from ..config._file import ConfigFile
-
-RDZV_BACKENDS = ("static", "c10d")
-# State options that have a flag here; their values reach the workers as ACCELKIT_* variables.
-STATE_FLAGS = ("precision", "gradient_accumulation_steps", "debug", "cpu", "strategy")
-# Launch settings: flag (dest) > config file > default.
-LAUNCH_DEFAULTS: dict[str, Any] = {
-    "num_processes": None,  # None: one per GPU, else 1
-    "num_nodes": 1,
-    "node_rank": 0,
-    "master_addr": "127.0.0.1",
-    "master_port": None,
-    "max_restarts": 0,
-    "rdzv_backend": "static",
-    "rdzv_timeout": DEFAULT_RDZV_TIMEOUT,
-    "mpirun": False,
-    "hostfile": None,
-    "gpu_ids": None,
-}
 
 _EPILOG = """\
 Each setting comes from its flag, else its ACCELKIT_* variable (options for the script),
@@ -131,119 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="the script's own arguments")
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What ``accelkit launch`` runs: every setting resolved, with where it came from."""
-
-    target: str
-    module: bool
-    script_args: tuple[str, ...]
-    launch: dict[str, Any]  # LAUNCH_DEFAULTS' names; num_processes may still be None
-    options: dict[str, object]  # the process-state options that are set, validated
-    flags: tuple[str, ...]  # state options given as flags (the script's code must agree)
-    sources: dict[str, str] = field(default_factory=dict)  # name -> "flag" | "environment" | "config" | "default"
-    notes: tuple[str, ...] = ()
-
-    def worker_env(self) -> dict[str, str]:
-        """The variables every worker gets: the options, which came from flags, no config file."""
-        options = {k: v for k, v in self.options.items() if v != ()}
-        env = {**_env.option_env(options), _env.LAUNCH_FLAGS: ",".join(self.flags), _env.CONFIG_FILE: ""}
-        gpu_ids = self.launch["gpu_ids"]
-        if gpu_ids not in (None, "all"):
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
-        return env
-
-    def program(self) -> list[str]:
-        """The workers' arguments after ``python``."""
-        return ["-m", "accelkit.cli._worker", *(["--module"] if self.module else []), self.target, *self.script_args]
-
-
-def resolve(args: argparse.Namespace, config: ConfigFile | None = None) -> Plan:
-    """Merge flags, ``ACCELKIT_*`` variables, the config file and defaults; check them.
-
-    Example:
-        >>> p = argparse.ArgumentParser(); add_arguments(p)
-        >>> resolve(p.parse_args(["--precision", "bf16", "train.py"])).options["precision"]  # doctest: +SKIP
-        'bf16'
-    """
-    from .._options import _from_env
-
-    sources: dict[str, str] = {}
-    merged: dict[str, object] = {}
-    layers: list[tuple[str, dict[str, object]]] = [
-        ("config", dict(config.state) if config is not None else {}),
-        ("environment", {k: _from_env(k, str(v)) for k, v in _env.option_overrides().items()}),
-        ("flag", {k: getattr(args, k) for k in STATE_FLAGS if getattr(args, k) is not None}),
-    ]
-    for source, values in layers:
-        merged.update(values)
-        sources.update(dict.fromkeys(values, source))
-    options = validate(merged, "accelkit launch")
-    flags = tuple(k for k in STATE_FLAGS if getattr(args, k) is not None)
-
-    launch: dict[str, Any] = {}
-    from_config = dict(config.launch) if config is not None else {}
-    for name, default in LAUNCH_DEFAULTS.items():
-        given = getattr(args, name, None)
-        if given is not None:
-            launch[name], sources[name] = given, "flag"
-        elif from_config.get(name) is not None:
-            launch[name], sources[name] = from_config[name], "config"
-        else:
-            launch[name], sources[name] = default, "default"
-    note = config.ignored_message() if config is not None else None
-    notes = (note,) if note else ()
-    plan = Plan(args.target, bool(args.module), tuple(args.script_args), launch, options, flags, sources, notes)
-    _check(plan)
-    return plan
-
-
-def _check(plan: Plan) -> None:
-    """Combinations no single flag's type can catch; each error names the flags and a fix."""
-    launch = plan.launch
-    nodes, node_rank = launch["num_nodes"], launch["node_rank"]
-    if node_rank >= nodes:
-        raise ConfigurationError(
-            f"--node-rank {node_rank} with --num-nodes {nodes}: node ranks count from 0 to {nodes - 1}; "
-            f"give each machine its own rank below the number of machines"
-        )
-    if launch["mpirun"]:
-        if nodes > 1:
-            raise ConfigurationError(
-                f"--mpirun with --num-nodes {nodes}: mpirun places the processes itself; give the total with "
-                f"-n and the machines with --hostfile, and run `accelkit launch` once, on one machine"
-            )
-        if launch["max_restarts"]:
-            raise ConfigurationError(
-                f"--mpirun with --max-restarts {launch['max_restarts']}: mpirun does not restart processes; "
-                f"drop --max-restarts, or drop --mpirun to run on torch's elastic agent"
-            )
-        hostfile = launch["hostfile"]
-        if hostfile is not None and not os.path.isfile(hostfile):
-            raise ConfigurationError(f"--hostfile {hostfile!r} does not exist; point it to mpirun's host file")
-    elif launch["hostfile"] is not None:
-        raise ConfigurationError(
-            f"--hostfile {launch['hostfile']!r} is for mpirun; add --mpirun, or drop --hostfile and start "
-            f"`accelkit launch --num-nodes N --node-rank K` on each machine"
-        )
-    elif nodes > 1:
-        needed = (("master_addr", "--main-process-ip", "10.0.0.1"), ("master_port", "--main-process-port", "29500"))
-        for name, flag, example in needed:
-            if plan.sources[name] == "default":
-                raise ConfigurationError(
-                    f"--num-nodes {nodes} needs {flag}: every node must meet node 0 at the same address and "
-                    f"port, e.g. {flag} {example}"
-                )
-    if plan.module:
-        _check_module(plan.target)
-    elif not os.path.isfile(plan.target):
-        what = "is a directory" if os.path.isdir(plan.target) else "does not exist"
-        raise ConfigurationError(
-            f"script {plan.target!r} {what} (in {os.getcwd()}); give the path of a Python file, "
-            f"or -m NAME to run a module"
-        )
-
-
 def _port(text: str) -> int:
     value = text.isdigit() and int(text)
     if not value or not 0 < value < 65536:
@@ -261,32 +126,18 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _check_module(name: str) -> None:
-    from importlib.machinery import PathFinder
-
-    top = name.split(".")[0]
-    # Only the top-level name is looked up: importing packages here could start CUDA in the launcher.
-    if not top.isidentifier() or PathFinder.find_spec(top, [os.getcwd(), *sys.path[1:]]) is None:
-        if top in sys.builtin_module_names:
-            return
-        raise ConfigurationError(
-            f"-m {name}: no module {top!r} on the path (searched the current directory {os.getcwd()} and "
-            f"sys.path); install it, or run `accelkit launch` from the directory that contains it"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     """Launch; the exit code (0: every worker succeeded)."""
     try:
-        plan = resolve(args, _load_config(args.config_file))
+        plan = plan_launch(args, config_in_effect(args.config_file))
     except (ConfigurationError, ImportError) as exc:  # ImportError: PyYAML, to read a config file
         print(f"accelkit launch: error: {exc}", file=sys.stderr)
         return 2
     for note in plan.notes:
         print(f"accelkit: note: {note}", file=sys.stderr)
     try:
-        if plan.launch["mpirun"]:
-            from ._mpirun import run_mpirun
+        if plan.launch.mpirun:
+            from ._mpirun import run_mpirun  # torch-free: mpirun starts the processes
 
             return run_mpirun(plan)
         return _run_agent(plan)
@@ -295,70 +146,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _load_config(explicit: str | None) -> ConfigFile | None:
-
-    from ..config import config_path, load_config
-
-    path = config_path(explicit)
-    return load_config(path) if path is not None else None
-
-
-def _num_processes(plan: Plan) -> int:
-    if plan.launch["num_processes"] is not None:
-        return int(plan.launch["num_processes"])
-    gpu_ids = plan.launch["gpu_ids"]
-    if gpu_ids not in (None, "all"):
-        return len(str(gpu_ids).split(","))
-    if plan.options.get("cpu"):
-        return 1
-    import torch
-
-    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
-
-
-def _warn(num_local_processes: int) -> None:
-    try:
-        from ._sysinfo import launch_warnings
-    except ImportError:  # pragma: no cover - a partial install
-        return
-    for warning in launch_warnings(num_local_processes):
-        print(f"accelkit: warning: {warning}", file=sys.stderr)
-
-
-def _describe(plan: Plan, head: str) -> None:
-    """Debug mode: say what is launched, and where each setting came from."""
-    print(f"accelkit: launching {head}", file=sys.stderr)
-    for name in (*LAUNCH_DEFAULTS, *sorted(plan.options)):
-        value = plan.launch[name] if name in LAUNCH_DEFAULTS else plan.options[name]
-        print(f"accelkit:   {name} = {value!r} ({plan.sources.get(name, 'default')})", file=sys.stderr)
-
-
-def _run_agent(plan: Plan) -> int:
+def _run_agent(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..errors import WorkerError
-    from ..launcher._agent import AgentConfig, Command, run_workers
+    from ..launcher._agent import run_workers
+    from ..launcher._spec import Command
 
-    launch, debug = plan.launch, bool(plan.options.get("debug"))
-    nprocs = _num_processes(plan)
-    _warn(nprocs)
-    config = AgentConfig(
-        num_processes=nprocs,
-        num_nodes=launch["num_nodes"],
-        node_rank=launch["node_rank"],
-        master_addr=launch["master_addr"],
-        master_port=launch["master_port"],
-        max_restarts=launch["max_restarts"],
-        quiet=not debug,
-        rdzv_backend=launch["rdzv_backend"],
-        rdzv_timeout=float(launch["rdzv_timeout"]),
-    )
+    debug = bool(plan.options.get("debug"))
+    settings = replace(plan.launch, num_processes=local_processes(plan))
+    print_warnings(settings.num_processes or 1)
     if debug:
-        world = nprocs * config.num_nodes
-        what = f"{nprocs} process(es) on node {config.node_rank} of {config.num_nodes} (world size {world})"
-        _describe(plan, f"{what}: {shlex.join([sys.executable, *plan.program()])}")
+        what = (
+            f"{settings.num_processes} process(es) on node {settings.node_rank} of {settings.num_nodes} "
+            f"(world size {settings.world_size})"
+        )
+        describe(plan, f"{what}: {shlex.join([sys.executable, *plan.program()])}")
     try:
-        run_workers(Command(tuple(plan.program())), (), {}, config, plan.worker_env())
+        run_workers(Command(tuple(plan.program())), (), {}, settings, plan.worker_env(), quiet=not debug)
     except WorkerError as exc:
         print(f"accelkit: {exc}", file=sys.stderr)
         code = exc.failures[0].exitcode if exc.failures else None

@@ -9,13 +9,11 @@ failed (naming the check and the ranks), 2 for bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
 from ._types import int_at_least
-from .env import config_num_processes, load_config
 
 _CONFIG_OPTIONS = ("precision", "debug", "cpu")  # the config's state options this run uses
 _TIMEOUT = 60.0  # seconds a collective may wait: a sanity run should fail fast, not after 10 minutes
@@ -54,24 +52,20 @@ def run(args: argparse.Namespace) -> int:
         ...
     """
     import accelkit as ak
-    from accelkit import _env
-    from accelkit._options import Options
 
+    from .. import _env
+    from ..config import config_in_effect, resolve
     from . import _checks
 
     try:
-        path, config = load_config(args.config_file)
-        state = getattr(config, "state", None) or {}
-        # The config's options, except where an ACCELKIT_* variable overrides it (as in any run).
-        options: dict[str, Any] = {
-            k: state[k]
-            for k in _CONFIG_OPTIONS
-            if state.get(k) is not None and _env.OPTION_VARIABLES[k] not in os.environ
-        }
-        resolved = Options.resolve({**options, "timeout": _TIMEOUT}, "accelkit test")
-    except (OSError, ValueError) as exc:
+        config = config_in_effect(args.config_file)
+        resolved = resolve({"timeout": _TIMEOUT}, call="accelkit test", config=config).options
+    except (OSError, ValueError, ImportError) as exc:
         return _bad_input(f"the config is not usable: {exc}")
-    n = args.num_processes or config_num_processes(config) or _default_num_processes(resolved.cpu)
+    # The config's options (an ACCELKIT_* variable overrides one, as in any run); the workers read no file.
+    options: dict[str, Any] = {k: getattr(resolved, k) for k in _CONFIG_OPTIONS}
+    n = args.num_processes or _config_processes(config) or _default_num_processes(resolved.cpu)
+    path = config.path if config is not None else None
     if args.fault_rank is not None and args.fault_rank >= n:
         return _bad_input(f"--fault-rank {args.fault_rank} is not a rank of {n} processes; pick one of 0..{n - 1}")
     print(
@@ -81,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     try:
-        results = ak.launch(
-            _checks.run_checks, (n,), {"fault_rank": args.fault_rank}, num_processes=n, timeout=_TIMEOUT, **options
-        )
+        with _env.patched({_env.CONFIG_FILE: ""}):  # resolved here: the workers read no file on top
+            results = ak.launch(
+                _checks.run_checks, (n,), {"fault_rank": args.fault_rank}, num_processes=n, timeout=_TIMEOUT, **options
+            )
     except ak.WorkerError as exc:
         print(f"FAILED: a worker stopped before the checks finished.\n{exc}")
         return 1
@@ -121,12 +116,14 @@ def _report(results: list[Any], n: int, seconds: float) -> int:
 
 
 def _default_num_processes(cpu: bool) -> int:
-    if not cpu:
-        import torch
+    from .._backends import accelerator_count
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
-    return 2
+    return (0 if cpu else accelerator_count()) or 2  # on the CPU two processes: a real group
+
+
+def _config_processes(config: Any) -> int | None:
+    value = config.launch.get("num_processes") if config is not None else None
+    return value if isinstance(value, int) else None
 
 
 def _processes(n: int) -> str:

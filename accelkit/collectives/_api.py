@@ -177,10 +177,10 @@ def _inputs(
             check(leaves, spec)
     except (TypeError, ValueError) as exc:
         if st.distributed and st.options.debug:
-            _compare(st, op, params, problem=exc)  # the other ranks raise too
+            compare_calls(st, op, params, problem=exc)  # the other ranks raise too
         raise
     if st.distributed and st.options.debug:
-        _compare(st, op, params, leaves, spec, free_dim)
+        compare_calls(st, op, params, leaves, spec, free_dim)
     return leaves, spec
 
 
@@ -189,14 +189,15 @@ def _objects(st: ProcessState, op: str, params: dict[str, Any], prepare: Callabl
         payload = prepare()
     except (TypeError, ValueError) as exc:
         if st.distributed and st.options.debug:
-            _compare(st, op, params, problem=exc)
+            compare_calls(st, op, params, problem=exc)
         raise
     if st.distributed and st.options.debug:
-        _compare(st, op, params)
+        compare_calls(st, op, params)
     return payload
 
 
-def _compare(st: ProcessState, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+def compare_calls(st: ProcessState, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    """Debug mode: check with the other ranks that they make this same call (see ``_debug``)."""
     with _communication(st, op):
         _debug.check(st, op, params, *args, **kwargs)
 

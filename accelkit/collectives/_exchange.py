@@ -53,17 +53,14 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order."""
-    global _gather_single
-    if _gather_single is not None:
-        try:
-            _gather_single(out, x)
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as exc:  # gloo before torch 2.6 lacks the single-tensor form
-            if "_allgather_base" not in str(exc):
-                raise CommunicationError(exc) from exc
-            _gather_single = None
+    try:
+        _gather_single(out, x)
+        return
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # gloo before torch 2.6 lacks the single-tensor form
+        if "_allgather_base" not in str(exc):
+            raise CommunicationError(exc) from exc
     _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .._options import PRECISIONS
-from ._file import _NO, RDZV_BACKENDS, _Fields, check_node_rank, gpu_ids, json_text, state_from
+from .._options import PRECISIONS, RDZV_BACKENDS
+from ._fields import NO_ALIAS, Fields, json_text
 
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
 _UNSUPPORTED = (
@@ -88,7 +88,7 @@ _DS_IGNORED: dict[str, str | None] = {
 }
 
 
-def from_accelerate(f: _Fields, file: Path) -> tuple[dict[str, object], dict[str, object]]:
+def from_accelerate(f: Fields, file: Path) -> tuple[dict[str, object], dict[str, object]]:
     """State options and launch settings of an Accelerate config (launch keys in accelkit's file names)."""
     f.check_known((*_MAPPED, *_IGNORED, *(k for k in f.values if k.startswith("tpu_"))))
     if f.choice("compute_environment", ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")) == "AMAZON_SAGEMAKER":
@@ -120,13 +120,13 @@ def from_accelerate(f: _Fields, file: Path) -> tuple[dict[str, object], dict[str
                 f"on each); use a multiple of {machines}, e.g. {(machines or 1) * max(per_node, 1)}",
             )
         launch["num_processes"] = per_node
-    check_node_rank(f, launch["node_rank"], machines, "machine_rank", "num_machines")
+    f.check_node_rank(launch["node_rank"], machines, "machine_rank", "num_machines")
     launch["main_process_ip"] = f.text("main_process_ip", "10.0.0.1")
     launch["main_process_port"] = f.integer("main_process_port", 1, 65535, example=29500)
     launch["rdzv_backend"] = f.choice("rdzv_backend", RDZV_BACKENDS)
-    launch["gpu_ids"] = gpu_ids(f, "gpu_ids")
+    launch["gpu_ids"] = f.gpu_ids("gpu_ids")
 
-    precision = f.choice("mixed_precision", PRECISIONS, _NO)
+    precision = f.choice("mixed_precision", PRECISIONS, NO_ALIAS)
     use_cpu = f.flag("use_cpu")
     state: dict[str, object] = {
         "precision": precision,
@@ -154,14 +154,12 @@ def from_accelerate(f: _Fields, file: Path) -> tuple[dict[str, object], dict[str
         hostfile = mpi.text("mpirun_hostfile", "/etc/mpi/hostfile")
         if hostfile:
             launch.update(hostfile=hostfile, mpirun=True)
-    checked = {k: v for k, v in state.items() if v is not None}
-    out: dict[str, object] = {}
-    for name, value in checked.items():
-        out.update(state_from(f, {name: value}))
-    return out, {k: v for k, v in launch.items() if v is not None}
+    return f.state({k: v for k, v in state.items() if v is not None}), {
+        k: v for k, v in launch.items() if v is not None
+    }
 
 
-def _fsdp(f: _Fields) -> dict[str, object]:
+def _fsdp(f: Fields) -> dict[str, object]:
     f.check_known((*_FSDP_MAPPED, *_FSDP_IGNORED))
     for key, note in _FSDP_IGNORED.items():
         f.ignore(key, note if _asks(f.values.get(key)) else None)
@@ -208,7 +206,7 @@ def _fsdp(f: _Fields) -> dict[str, object]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _deepspeed(top: _Fields, f: _Fields, file: Path) -> dict[str, object]:
+def _deepspeed(top: Fields, f: Fields, file: Path) -> dict[str, object]:
     f.check_known(("deepspeed_config_file", *_DS_INLINE, *_DS_IGNORED))
     for key, note in _DS_IGNORED.items():
         f.ignore(key, note if _asks(f.values.get(key)) else None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .._options import validate
+from .._options import is_int, validate
 from ..errors import ConfigurationError
 from ._file import default_config_path, write_config
 
@@ -23,6 +23,7 @@ def write_basic_config(
     num_processes: int | None = None,
     cpu: bool = False,
     overwrite: bool = False,
+    written_by: str = "ak.write_basic_config",
 ) -> Path:
     """Writes a config file for this machine and returns its path.
 
@@ -33,6 +34,7 @@ def write_basic_config(
         num_processes: processes per machine; one per CUDA device (else one) when ``None``.
         cpu: run on CPU even when GPUs are present.
         overwrite: replace an existing file (otherwise that is an error).
+        written_by: what the file's header says wrote it.
 
     Example:
         >>> import tempfile, pathlib, accelkit as ak
@@ -41,22 +43,9 @@ def write_basic_config(
         >>> "precision: bf16" in path.read_text()
         True
     """
-    return _write_basic(precision, config_file, num_processes, cpu, overwrite, "ak.write_basic_config")
-
-
-def _write_basic(
-    precision: str,
-    config_file: str | os.PathLike[str] | None,
-    num_processes: int | None,
-    cpu: bool,
-    overwrite: bool,
-    written_by: str,
-) -> Path:
     call = "accelkit.write_basic_config"
     state = validate({"precision": precision, "cpu": cpu}, call)
-    if num_processes is not None and (
-        isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1
-    ):
+    if num_processes is not None and (not is_int(num_processes) or num_processes < 1):
         raise ConfigurationError(
             f"{call}(num_processes={num_processes!r}): expected an integer >= 1 (processes per machine); "
             f"leave it out for one per GPU"
@@ -68,12 +57,8 @@ def _write_basic(
             f"(`accelkit config default --force`) to replace it, or choose another config_file"
         )
     if num_processes is None:
-        num_processes = 1 if cpu else _cuda_devices()
+        from .._backends import local_device_count  # imports torch: only when asked to count
+
+        num_processes = local_device_count(cpu)
     values = {"num_processes": num_processes, "num_nodes": 1, **state, "gradient_accumulation_steps": 1}
     return write_config(values, path, written_by=written_by)
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1

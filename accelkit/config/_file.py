@@ -4,45 +4,38 @@
 (validated like ``ak.init``'s) and launch settings (processes *per node*). Every problem is a
 :class:`~accelkit.errors.ConfigurationError` naming ``file:line``, the key, what was expected
 and a fix, raised before anything starts. PyYAML is imported only when a file is read or
-written, so :func:`state_options` costs a ``stat`` when there is no config file.
+written, so :func:`config_in_effect` costs a ``stat`` when there is no config file.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import os
-import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _env
-from .._options import DIST_BACKENDS, PRECISIONS, STRATEGIES, Options, validate
+from .. import _env, _safe_io
+from .._options import DIST_BACKENDS, PRECISIONS, RDZV_BACKENDS, STRATEGIES, Options
 from .._version import __version__
 from ..errors import ConfigurationError
+from ._fields import FILE_NAMES, LAUNCH_KEYS, NO_ALIAS, Fields
 
 Kind = Literal["accelkit", "accelerate"]
-# Launch keys of accelkit's format: the `accelkit launch` flags, with underscores.
-LAUNCH_KEYS = (
-    "num_processes", "num_nodes", "node_rank", "main_process_ip", "main_process_port",
-    "max_restarts", "rdzv_backend", "rdzv_timeout", "mpirun", "hostfile", "gpu_ids",
-)  # fmt: skip
-RDZV_BACKENDS = ("static", "c10d")
-_LAUNCH_NAMES = {"main_process_ip": "master_addr", "main_process_port": "master_port"}  # file key -> launch key
 _INSTALL = 'pip install "accelkit[yaml]"'
+_LAUNCH_NAMES = {file: name for name, file in FILE_NAMES.items()}  # file key -> launch setting
+# Keys only an Accelerate config has.
+_ACCELERATE_MARKERS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "machine_rank"}
 
 
 @dataclass(frozen=True)
 class ConfigFile:
     """A config file, read and validated.
 
-    ``state`` holds process-state options (``Options`` names); ``launch`` holds
-    ``num_processes`` (per node), ``num_nodes``, ``node_rank``, ``master_addr``,
-    ``master_port``, ``max_restarts``, ``rdzv_backend``, ``rdzv_timeout``, ``mpirun``,
-    ``hostfile`` and ``gpu_ids``: only those the file sets. ``ignored`` lists keys that have
-    no effect here; ``notes`` says why for those whose value asked for something.
+    ``state`` holds process-state options (``Options`` names); ``launch`` holds launch
+    settings (``LaunchSettings`` names; ``num_processes`` per node): only those the file sets.
+    ``ignored`` lists keys that have no effect here; ``notes`` says why for those whose value
+    asked for something.
     """
 
     path: Path
@@ -89,34 +82,24 @@ def _existing(path: Path, given_by: str) -> Path:
     return path
 
 
-_cached: tuple[tuple[str, int, int], dict[str, object]] | None = None
-
-
-def state_options() -> dict[str, object]:
-    """Process-state options of the config file in effect, ``{}`` without one (cached by mtime)."""
-    global _cached
-    path = config_path(None)
-    if path is None:
-        return {}
-    stat = path.stat()
-    key = (str(path), stat.st_mtime_ns, stat.st_size)
-    if _cached is None or _cached[0] != key:
-        _cached = (key, load_config(path).state)
-    return dict(_cached[1])
+def config_in_effect(explicit: str | os.PathLike[str] | None = None) -> ConfigFile | None:
+    """The config file in effect (``explicit``, else see :func:`config_path`), read and validated; None without one."""
+    path = config_path(explicit)
+    return load_config(path) if path is not None else None
 
 
 def load_config(path: str | os.PathLike[str]) -> ConfigFile:
     """Reads and validates accelkit's YAML or an Accelerate ``config.yaml`` (told apart by its keys)."""
     file = Path(os.fspath(path)).expanduser()
     values, lines = _read_yaml(file)
-    fields_ = _Fields(str(file), values, lines)
+    fields_ = Fields(str(file), values, lines)
     if _ACCELERATE_MARKERS & set(values):
         from ._accelerate import from_accelerate
 
         state, launch = from_accelerate(fields_, file)
         kind: Kind = "accelerate"
     else:
-        state, launch = _from_accelkit(fields_)
+        state, launch = from_accelkit(fields_)
         kind = "accelkit"
     launch = {_LAUNCH_NAMES.get(k, k): v for k, v in launch.items()}
     return ConfigFile(file, kind, state, launch, tuple(fields_.ignored), lines, dict(fields_.notes))
@@ -128,33 +111,18 @@ def write_config(
     """Validates ``values`` (accelkit's keys) and writes them atomically; returns the path."""
     file = Path(os.fspath(path)).expanduser() if path is not None else default_config_path()
     given = {k: v for k, v in values.items() if v is not None}
-    fields_ = _Fields("accelkit.write_config()", dict(given), {})
-    state, launch = _from_accelkit(fields_)
+    fields_ = Fields("accelkit.write_config()", dict(given), {})
+    state, launch = from_accelkit(fields_)
     merged = {**launch, **state}
     order = [k for k in (*LAUNCH_KEYS, *Options.names()) if k in merged]
     out = {k: list(v) if isinstance(v := merged[k], tuple) else v for k in order}  # YAML lists, not tuples
     text = yaml_module().safe_dump(out, sort_keys=False, default_flow_style=False)
     header = f"# accelkit {__version__} config, written by {written_by}; edit freely, or rerun `accelkit config`.\n"
-    _write_atomic(file, header + text)
-    return file
-
-
-def _write_atomic(file: Path, text: str) -> None:
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+        _safe_io.write_atomic(file, (header + text).encode())
     except OSError as err:
         raise ConfigurationError(f"cannot write the config file {file}: {err}; choose another path") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users of a shared setup
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return file
 
 
 def yaml_module() -> Any:
@@ -227,99 +195,13 @@ def _mapping(loader: Any, node: Any, prefix: str, lines: dict[str, int], path: P
     return out
 
 
-# --- checking values ----------------------------------------------------------------------------
+# --- accelkit's own keys -----------------------------------------------------------------------
 
 
-class _Fields:
-    """The keys of one mapping of a file, with typed getters whose errors say ``file:line: key``."""
-
-    def __init__(self, origin: str, values: dict[str, Any], lines: Mapping[str, int], prefix: str = "") -> None:
-        self.origin, self.values, self.lines, self.prefix = origin, values, lines, prefix
-        self.ignored: list[str] = []
-        self.notes: dict[str, str] = {}
-
-    def nested(self, key: str) -> _Fields:
-        value = self.get(key, (dict,), "a mapping of `key: value` lines", "{}") or {}
-        sub = _Fields(self.origin, value, self.lines, f"{self.prefix}{key}.")
-        sub.ignored, sub.notes = self.ignored, self.notes  # one report for the whole file
-        return sub
-
-    def error(self, key: str, message: str) -> ConfigurationError:
-        name = self.prefix + key
-        line = self.lines.get(name)
-        return ConfigurationError(f"{self.origin}{f':{line}' if line else ''}: {name}: {message}")
-
-    def check_known(self, known: Iterable[str]) -> None:
-        known = list(known)
-        for key in self.values:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(known))}"
-                raise self.error(key, f"unknown key; {hint}")
-
-    def ignore(self, key: str, note: str | None = None) -> None:
-        if key in self.values:
-            self.ignored.append(self.prefix + key)
-            if note:
-                self.notes[self.prefix + key] = note
-
-    def get(self, key: str, types: tuple[type, ...], expected: str, example: str) -> Any:
-        value = self.values.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise self.error(key, f"expected {expected}, found {value!r}; e.g. `{key}: {example}`")
-        return value
-
-    def flag(self, key: str) -> bool | None:
-        return self.get(key, (bool,), "true or false", "true")  # type: ignore[no-any-return]
-
-    def integer(self, key: str, low: int, high: int | None = None, example: int = 1) -> int | None:
-        span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-        value = self.get(key, (int,), span, str(example))
-        if value is not None and not (low <= value and (high is None or value <= high)):
-            raise self.error(key, f"expected {span}, found {value!r}; e.g. `{key}: {example}`")
-        return value  # type: ignore[no-any-return]
-
-    def number(self, key: str, example: str) -> float | None:
-        value = self.get(key, (int, float), "a positive number of seconds", example)
-        if value is not None and not value > 0:
-            raise self.error(key, f"expected a positive number of seconds, found {value!r}; e.g. `{key}: {example}`")
-        return None if value is None else float(value)
-
-    def text(self, key: str, example: str) -> str | None:
-        return self.get(key, (str,), "a string", example)  # type: ignore[no-any-return]
-
-    def choice(self, key: str, choices: Iterable[str], aliases: Mapping[object, str] | None = None) -> str | None:
-        choices = tuple(choices)
-        value = self.values.get(key)
-        value = (aliases or {}).get(value, value) if isinstance(value, (str, bool, int)) else value
-        if value is None or value in choices:
-            return value
-        close = difflib.get_close_matches(str(value), choices, n=1) if isinstance(value, str) else []
-        hint = f"did you mean {close[0]!r}?" if close else f"e.g. `{key}: {choices[0]}`"
-        raise self.error(key, f"expected one of {', '.join(map(repr, choices))}, found {value!r}; {hint}")
-
-
-# YAML 1.1 reads a bare `no` as false: `precision: no` means the string.
-_NO: dict[object, str] = {False: "no"}
-# Keys only an Accelerate config has.
-_ACCELERATE_MARKERS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "machine_rank"}
-
-
-def state_from(f: _Fields, checked: dict[str, object]) -> dict[str, object]:
-    """Runs the options' own validation; a failure names the file and key."""
-    try:
-        return validate(checked, "config")
-    except (ConfigurationError, TypeError) as err:
-        key = next(iter(checked), "")
-        raise f.error(key, str(err).split("): ", 1)[-1]) from None
-
-
-def _from_accelkit(f: _Fields) -> tuple[dict[str, object], dict[str, object]]:
+def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
     f.check_known((*LAUNCH_KEYS, *Options.names()))
     checked: dict[str, object] = {
-        "precision": f.choice("precision", PRECISIONS, _NO),
+        "precision": f.choice("precision", PRECISIONS, NO_ALIAS),
         "gradient_accumulation_steps": f.integer("gradient_accumulation_steps", 1),
         "debug": f.flag("debug"),
         "cpu": f.flag("cpu"),
@@ -332,10 +214,7 @@ def _from_accelkit(f: _Fields) -> tuple[dict[str, object], dict[str, object]]:
         "fsdp_cpu_offload": f.flag("fsdp_cpu_offload"),
         "deepspeed_config": f.get("deepspeed_config", (str, dict), "a JSON file path or a mapping", "ds.json"),
     }
-    state: dict[str, object] = {}
-    for name, value in checked.items():
-        if value is not None:
-            state.update(state_from(f, {name: value}))
+    state = f.state({k: v for k, v in checked.items() if v is not None})
     launch: dict[str, object] = {
         "num_processes": f.integer("num_processes", 1, example=2),
         "num_nodes": f.integer("num_nodes", 1, example=2),
@@ -347,29 +226,8 @@ def _from_accelkit(f: _Fields) -> tuple[dict[str, object], dict[str, object]]:
         "rdzv_timeout": f.number("rdzv_timeout", "900"),
         "mpirun": f.flag("mpirun"),
         "hostfile": f.text("hostfile", "/etc/mpi/hostfile"),
-        "gpu_ids": gpu_ids(f, "gpu_ids"),
+        "gpu_ids": f.gpu_ids("gpu_ids"),
     }
     launch = {k: v for k, v in launch.items() if v is not None}
-    check_node_rank(f, launch.get("node_rank"), launch.get("num_nodes"), "node_rank", "num_nodes")
+    f.check_node_rank(launch.get("node_rank"), launch.get("num_nodes"), "node_rank", "num_nodes")
     return state, launch
-
-
-def gpu_ids(f: _Fields, key: str) -> str | None:
-    """``all`` or comma-separated device indices, as a string."""
-    value = f.values.get(key)
-    if value is None:
-        return None
-    items = value if isinstance(value, list) else str(value).split(",")
-    text = ",".join(str(i).strip() for i in items)
-    if text != "all" and not all(i.isdigit() for i in text.split(",")):
-        raise f.error(key, f"expected `all` or device indices like `0,1`, found {value!r}; e.g. `{key}: all`")
-    return text
-
-
-def check_node_rank(f: _Fields, rank: object, nodes: object, rank_key: str, nodes_key: str) -> None:
-    if isinstance(rank, int) and rank >= (nodes if isinstance(nodes, int) else 1):
-        raise f.error(rank_key, f"{rank} must be below {nodes_key} ({nodes or 1}); node ranks count from 0")
-
-
-def json_text(config: Mapping[str, object]) -> str:
-    return json.dumps(config, sort_keys=True)

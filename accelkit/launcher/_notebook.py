@@ -1,16 +1,15 @@
-"""Launching from a notebook: forking safely, and each rank's prints reaching the cell whole."""
+"""Launching from a notebook: refusing what forked workers cannot use, and debug mode's pre-flight."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from typing import TYPE_CHECKING, Any
 
 from .. import _state
+from .._options import LaunchSettings
 from ..errors import StateError, WorkerError
+from ._agent import run_workers
 
-if TYPE_CHECKING:
-    from ._agent import AgentConfig
+__all__ = ["preflight_launch", "refuse_unsafe_fork"]
 
 
 # Imported by users before a launch, these initialise CUDA in the importing process (or may).
@@ -34,7 +33,7 @@ def refuse_unsafe_fork(world_size: int) -> None:
         user = ""
         if _state.is_initialized():
             st = _state.get()
-            where = f"rank {st.rank} of {st.world_size}, created at {_state._origin}"
+            where = f"rank {st.rank} of {st.world_size}, created at {_state.origin()}"
             user = f"; accelkit's state in this process ({where}) uses it"
         raise StateError(
             f"{cannot}: a torch.distributed process group already exists in this process{user}, and "
@@ -46,7 +45,7 @@ def refuse_unsafe_fork(world_size: int) -> None:
 def _cuda_suspects() -> str:
     found = [name for name in _CUDA_INITIALISERS if name in sys.modules]
     if _state.is_initialized() and _state.get().device.type == "cuda":
-        found.insert(0, f"accelkit (its state uses {_state.get().device}, created at {_state._origin})")
+        found.insert(0, f"accelkit (its state uses {_state.get().device}, created at {_state.origin()})")
     if found:
         return f" (likely by {', '.join(found)})"
     return " (by a cell run earlier: .cuda(), .to('cuda'), a torch.cuda call or an import that does so)"
@@ -60,58 +59,13 @@ def _preflight() -> None:
     wait_for_everyone()
 
 
-def preflight_launch(config: AgentConfig, env: dict[str, str]) -> None:
-    from ._agent import run_workers
-
+def preflight_launch(config: LaunchSettings, env: dict[str, str]) -> None:
+    """Debug mode: a dry launch with ``config`` (group and barrier) before the real one."""
     try:
         run_workers(_preflight, (), {}, config, env)
     except WorkerError as exc:
         if sys.version_info >= (3, 11):
             exc.add_note("(debug mode's pre-flight launch failed: no user code ran)")
         raise
-    world = config.num_processes * config.num_nodes
+    world = config.world_size
     print(f"accelkit: pre-flight launch OK ({world} processes formed a group and met at a barrier)", file=sys.stderr)
-
-
-class _LineWriter:
-    """Passes whole lines (and whatever is pending at ``flush``) on to ``stream``."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-        self._pending = ""
-
-    def write(self, text: str) -> int:
-        self._pending += text
-        if "\n" in self._pending:
-            lines, _, self._pending = self._pending.rpartition("\n")
-            self._stream.write(lines + "\n")
-        return len(text)
-
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        if self._pending:
-            self._stream.write(self._pending)
-            self._pending = ""
-        self._stream.flush()
-
-    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty, ... of the stream
-        return getattr(self._stream, name)
-
-
-def whole_lines_to_notebook() -> None:
-    # In a process forked from a Jupyter kernel, ipykernel's OutStream sends every write as
-    # its own message, so print("loss", x) from two ranks arrives interleaved word by word.
-    # Handing it whole lines keeps each rank's lines intact; they still reach the cell at once.
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if type(stream).__module__.startswith("ipykernel."):
-            setattr(sys, name, _LineWriter(stream))
-
-
-def flush_std_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()

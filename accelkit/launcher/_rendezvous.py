@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._agent import AgentConfig
+    from .._options import LaunchSettings
 
 
 @contextlib.contextmanager
-def rendezvous_store(config: AgentConfig) -> Iterator[tuple[str, int, str]]:
+def rendezvous_store(config: LaunchSettings) -> Iterator[tuple[str, int, str]]:
     """Host or join the rendezvous store before the agent does; yields (address, port, run id).
 
     torch's static rendezvous creates its TCPStore with ``multi_tenant=True``, so the agent
@@ -74,7 +74,7 @@ def rendezvous_store(config: AgentConfig) -> Iterator[tuple[str, int, str]]:
     yield addr, port, run_id
 
 
-def _wait_for_node0(addr: str, port: int, deadline: float, config: AgentConfig) -> None:
+def _wait_for_node0(addr: str, port: int, deadline: float, config: LaunchSettings) -> None:
     # Probing with a plain socket first: TCPStore's own retries print C++ stack traces on stderr.
     while True:
         try:
@@ -91,7 +91,7 @@ def _wait_for_node0(addr: str, port: int, deadline: float, config: AgentConfig) 
             time.sleep(0.2)
 
 
-def _check_in(store: Any, config: AgentConfig, where: str, run_id: str, deadline: float) -> None:
+def _check_in(store: Any, config: LaunchSettings, where: str, run_id: str, deadline: float) -> None:
     """Announce this node; wait until every node did, or name those that did not."""
     keys = [f"accelkit/{run_id}/node{k}" for k in range(config.num_nodes)]
     try:
@@ -113,6 +113,13 @@ def _check_in(store: Any, config: AgentConfig, where: str, run_id: str, deadline
         f"at {where} within {config.rdzv_timeout:g} s. Start each missing node with its node rank and "
         f"the same master address and port, or allow longer with a larger rendezvous timeout."
     )
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``addr`` now (for a store another process will host)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
 
 
 def _listen(addr: str, port: int | None) -> socket.socket:

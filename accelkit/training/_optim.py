@@ -24,24 +24,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         training = _state.training
-        if not training.sync_gradients:
-            return None
-        scaler = training.scaler
-        loss: float | None
-        if scaler is None:
-            loss = self.optimizer.step(closure)
-            self.step_was_skipped = False
-        else:
-            scale = scaler.get_scale()
-            loss = scaler.step(self.optimizer, closure)
-            scaler.update()
-            self.step_was_skipped = scaler.get_scale() < scale
-        training.unscaled = False
+        strategy = _state.strategy()
+        loss, skipped = strategy.optimizer_step(
+            self.optimizer, training.scaler, closure, boundary=training.sync_gradients
+        )
+        if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
+            self.step_was_skipped = skipped
+            training.unscaled = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if _state.training.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        _state.strategy().zero_grad(self.optimizer, set_to_none, boundary=_state.training.sync_gradients)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -93,7 +86,7 @@ class PreparedScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
-        if not training.sync_gradients:
+        if not training.sync_gradients or _state.strategy().owns_schedulers:
             return
         target = self.scheduler.optimizer  # the user's optimizer or its prepared wrapper
         for opt in training.optimizers:

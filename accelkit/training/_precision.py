@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch import nn
 
-from .. import _state
-from .._options import PRECISIONS
+from .. import _state, _tree
+from .._options import PRECISIONS, suggest
+from ..errors import ConfigurationError
 
-__all__ = ["precision"]
+__all__ = ["autocast", "autocast_forward", "precision"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -40,7 +44,10 @@ def precision(mode: str | None = None) -> Iterator[None]:
 def autocast(mode: str, device_type: str) -> contextlib.AbstractContextManager[object]:
     """The autocast context for ``mode`` on ``device_type`` (validated)."""
     if mode not in PRECISIONS:
-        raise ValueError(f"accelkit.precision({mode!r}): unknown mode; valid modes: {', '.join(PRECISIONS)}")
+        valid = ", ".join(PRECISIONS)
+        raise ConfigurationError(
+            f"accelkit.precision({mode!r}): unknown mode; valid modes: {valid}{suggest(mode, PRECISIONS)}"
+        )
     if mode == "fp8":
         raise ValueError(f"accelkit.precision('fp8') is not available here: {_fp8_missing(device_type)}")
     if mode == "no":
@@ -57,3 +64,24 @@ def _fp8_missing(device_type: str) -> str:
     if importlib.util.find_spec("torchao") is None:
         return "fp8 training needs torchao (pip install torchao); use 'bf16' meanwhile"
     return "accelkit does not convert models to fp8 yet; use 'bf16'"
+
+
+def autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
+    """Make ``model``'s forward run under ``mode``'s autocast and return fp32 outputs."""
+    # Preparing the module again (e.g. on each find_executable_batch_size retry) re-wraps
+    # its own forward, not the wrapper of last time.
+    forward = getattr(model.forward, "__accelkit_forward__", model.forward)
+
+    @functools.wraps(forward)
+    def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
+        with autocast(mode, device_type):
+            outputs = forward(*args, **kwargs)
+        # Outputs leave the region in fp32, so losses computed outside it stay accurate.
+        return _tree.apply_to_tensors(_to_fp32, outputs)
+
+    forward_in_precision.__accelkit_forward__ = forward  # type: ignore[attr-defined]
+    model.forward = forward_in_precision
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

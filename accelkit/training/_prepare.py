@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import nn
 
-from .. import _state, _tree
+from .. import _state
+from ..data import PreparedDataLoader, prepare_dataloader
 from ._optim import PreparedOptimizer, PreparedScheduler
-from ._precision import autocast
+from ._precision import autocast_forward
 
 __all__ = ["prepare"]
 
 T = TypeVar("T")
+Kind = Literal["model", "optimizer", "scheduler", "loader", "prepared"]
 _MODEL_OPTIONS = {
     "find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
 }  # fmt: skip
@@ -59,93 +60,57 @@ def prepare(*objects: Any, **options: Any) -> Any:
         raise TypeError("accelkit.prepare() needs at least one object: ak.prepare(model, optimizer, loader)")
     model_options = {k: v for k, v in options.items() if k in _MODEL_OPTIONS}
     loader_options = {k: v for k, v in options.items() if k in _LOADER_OPTIONS}
-    if _state.get().options.strategy == "deepspeed":
-        from .._strategies.deepspeed import prepare_with_deepspeed
-
-        done = prepare_with_deepspeed(objects, loader_options)
-        return done[0] if len(done) == 1 else tuple(done)
-    # Models first: optimizers must see parameters already on the device.
-    ordered = sorted(range(len(objects)), key=lambda i: not isinstance(objects[i], nn.Module))
+    st = _state.get()
+    training = _state.training
+    kinds = [_classify(obj, training) for obj in objects]
+    slots: dict[Kind, list[int]] = {"model": [], "optimizer": [], "scheduler": [], "loader": [], "prepared": []}
+    for i, kind in enumerate(kinds):
+        slots[kind].append(i)
     prepared: list[Any] = list(objects)
-    for i in ordered:
-        prepared[i] = _prepare_one(objects[i], model_options, loader_options)
+    for i in slots["loader"]:
+        prepared[i] = prepare_dataloader(objects[i], **loader_options)
+    models = [objects[i] for i in slots["model"]]
+    if st.options.precision != "no":
+        for model in models:
+            autocast_forward(model, st.options.precision, st.device.type)
+    batch_sizes = [objects[i].batch_size for i in slots["loader"] if objects[i].batch_size]
+    strategy = _state.strategy()
+    wrapped_models, optimizers, schedulers = strategy.setup(
+        models,
+        [objects[i] for i in slots["optimizer"]],
+        [objects[i] for i in slots["scheduler"]],
+        micro_batch_size=batch_sizes[0] if batch_sizes else None,
+        model_options=model_options,
+    )
+    for i, model in zip(slots["model"], wrapped_models, strict=True):
+        training.models.add(model)
+        prepared[i] = model
+    if optimizers and st.options.precision == "fp16" and training.scaler is None:
+        training.scaler = strategy.grad_scaler()
+    for i, optimizer in zip(slots["optimizer"], optimizers, strict=True):
+        prepared[i] = PreparedOptimizer(optimizer)
+        training.optimizers.add(prepared[i])
+    for i, scheduler in zip(slots["scheduler"], schedulers, strict=True):
+        prepared[i] = PreparedScheduler(scheduler)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
-def _prepare_one(obj: Any, model_options: dict[str, Any], loader_options: dict[str, Any]) -> Any:
-    if isinstance(obj, (PreparedOptimizer, PreparedScheduler)) or getattr(obj, "_accelkit_prepared", False):
-        return obj
+def _classify(obj: Any, training: _state.TrainingState) -> Kind:
+    """What ``obj`` is to ``prepare``; a TypeError naming what it takes otherwise."""
+    if isinstance(obj, (PreparedOptimizer, PreparedScheduler, PreparedDataLoader)) or obj in training.models:
+        return "prepared"
     if isinstance(obj, nn.Module):
-        return _prepare_model(obj, model_options)
+        return "model"
     if isinstance(obj, torch.optim.Optimizer):
-        return _prepare_optimizer(obj)
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or _looks_like_scheduler(obj):
-        return PreparedScheduler(obj)
+        return "optimizer"
     if isinstance(obj, torch.utils.data.DataLoader):
-        from ..data import prepare_dataloader
-
-        return prepare_dataloader(obj, **loader_options)
+        return "loader"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or _looks_like_scheduler(obj):
+        return "scheduler"
     raise TypeError(
         f"accelkit.prepare() cannot prepare {type(obj).__module__}.{type(obj).__qualname__}; it takes "
         f"nn.Module, torch.optim.Optimizer, LR schedulers and torch.utils.data.DataLoader objects"
     )
-
-
-def _prepare_model(model: nn.Module, options: dict[str, Any]) -> nn.Module:
-    st = _state.get()
-    model.to(st.device)
-    if st.options.precision != "no":
-        _autocast_forward(model, st.options.precision, st.device.type)
-    if not st.distributed:
-        model._accelkit_prepared = True  # type: ignore[assignment]
-        return model
-    if st.options.strategy == "fsdp":
-        from .._strategies.fsdp import shard
-
-        shard(model, st)  # in place: the module is its own wrapper
-        model._accelkit_prepared = True  # type: ignore[assignment]
-        return model
-    device_ids = [st.device.index] if st.device.type == "cuda" else None
-    wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
-    wrapped._accelkit_prepared = True  # type: ignore[assignment]
-    return wrapped
-
-
-def _autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
-    # Preparing the module again (e.g. on each find_executable_batch_size retry) re-wraps
-    # its own forward, not the wrapper of last time.
-    forward = getattr(model.forward, "__accelkit_forward__", model.forward)
-
-    @functools.wraps(forward)
-    def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
-        with autocast(mode, device_type):
-            outputs = forward(*args, **kwargs)
-        # Outputs leave the region in fp32, so losses computed outside it stay accurate.
-        return _tree.apply_to_tensors(_to_fp32, outputs)
-
-    forward_in_precision.__accelkit_forward__ = forward  # type: ignore[attr-defined]
-    model.forward = forward_in_precision
-
-
-def _to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def _prepare_optimizer(optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
-    from .._strategies.fsdp import grad_scaler, repoint_optimizer
-
-    st = _state.get()
-    repoint_optimizer(optimizer)
-    if optimizer.state:
-        # Move state loaded before prepare onto the parameters' devices.
-        optimizer.load_state_dict(optimizer.state_dict())
-    training = _state.training
-    if st.options.precision == "fp16" and training.scaler is None:
-        sharded = st.options.strategy == "fsdp" and st.distributed
-        training.scaler = grad_scaler(st.device.type) if sharded else torch.amp.GradScaler(st.device.type)
-    prepared = PreparedOptimizer(optimizer)
-    training.optimizers.add(prepared)
-    return prepared
 
 
 def _looks_like_scheduler(obj: Any) -> bool:

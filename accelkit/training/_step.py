@@ -6,13 +6,12 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _state
-from .._strategies import fsdp as _fsdp
 
 __all__ = [
     "accumulate",
@@ -36,15 +35,9 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         tensor([3., 3.])
     """
     training = _state.training
-    engine = training.deepspeed_engine
-    if engine is not None:  # the engine scales for fp16; ak.accumulate's steps decide the boundary and division
-        engine.backward(loss, **kwargs)
-        return
-    if training.accumulation_steps > 1:
-        loss = loss / training.accumulation_steps
-    if training.scaler is not None:
-        loss = training.scaler.scale(loss)
-    loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+    _state.strategy().backward(
+        loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=training.sync_gradients, **kwargs
+    )
 
 
 @contextlib.contextmanager
@@ -101,12 +94,7 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         >>> with ak.no_sync(torch.nn.Linear(2, 1)):
         ...     pass
     """
-    if _fsdp.is_fsdp_module(model):
-        return _fsdp.no_gradient_sync(model)
-    if getattr(model, "_accelkit_deepspeed", False):  # the engine accumulates itself (ZeRO has no no_sync)
-        return contextlib.nullcontext()
-    sync_off = getattr(model, "no_sync", None)
-    return sync_off() if callable(sync_off) else contextlib.nullcontext()
+    return _state.strategy().no_sync(model)
 
 
 def clip_grad_norm_(
@@ -196,25 +184,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         >>> ak.unwrap(ak.prepare(net)) is net
         True
     """
-    if getattr(model, "_accelkit_deepspeed", False):
-        model = cast("nn.Module", model.module)  # the DeepSpeed engine
-    wrappers = _wrapper_types()
-    while isinstance(model, wrappers):
-        inner = getattr(model, "_orig_mod", None) or model.module
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
-
-
-def _wrapper_types() -> tuple[type, ...]:
-    found: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
-    # Only look for the wrappers of modules already imported: importing them is slow.
-    lazy = (("torch._dynamo.eval_frame", "OptimizedModule"), ("torch.distributed.fsdp", "FullyShardedDataParallel"))
-    for module, name in lazy:
-        if module in sys.modules:
-            found.append(getattr(sys.modules[module], name))
-    return tuple(found)
+    return _state.strategy().unwrap(model)
 
 
 def _unscale_once() -> None:

@@ -1,0 +1,22 @@
+"""Several processes, each with the whole model: ``DistributedDataParallel``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from .single import SingleProcess
+
+__all__ = ["DDP"]
+
+
+class DDP(SingleProcess):
+    """Wraps models in ``DistributedDataParallel`` (its options, e.g. ``find_unused_parameters``, pass through)."""
+
+    name = "ddp"
+
+    def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **model_options)

@@ -1,0 +1,134 @@
+"""One process: models move to the device unwrapped; the base the other strategies refine."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._options import Options
+from . import Setup
+
+__all__ = ["SingleProcess", "holds_dtensors"]
+
+
+class SingleProcess:
+    """The strategy of a single process, and the default behaviour of every other one."""
+
+    name = "single"
+    owns_schedulers = False
+
+    def __init__(self, options: Options, device: torch.device) -> None:
+        self.options = options
+        self.device = device
+        self._no_sync_depth: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+    def setup(
+        self,
+        models: Sequence[nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        *,
+        micro_batch_size: int | None,
+        model_options: Mapping[str, Any],
+    ) -> Setup:
+        wrapped = [self.wrap_model(model.to(self.device), model_options) for model in models]
+        for optimizer in optimizers:
+            self.fit_optimizer(optimizer)
+        return wrapped, list(optimizers), list(schedulers)
+
+    def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
+        """``model`` (already on the device) as this strategy runs it."""
+        return model
+
+    def fit_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fit an optimizer to the prepared models' parameters (nothing to do unsharded)."""
+        if optimizer.state:
+            # State loaded before prepare moves onto the parameters' devices.
+            optimizer.load_state_dict(optimizer.state_dict())
+
+    def grad_scaler(self) -> Any:
+        return torch.amp.GradScaler(self.device.type)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        if callable(getattr(model, "set_requires_gradient_sync", None)):  # fully_shard-ed (by ak.prepare or by hand)
+            return self._gradient_sync_off(model)
+        sync_off = getattr(model, "no_sync", None)  # DDP's
+        return sync_off() if callable(sync_off) else contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, *, divide_by: int, scaler: Any, boundary: bool, **kwargs: Any) -> None:
+        if divide_by > 1:
+            loss = loss / divide_by
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, scaler: Any, closure: Callable[[], float] | None, *, boundary: bool
+    ) -> tuple[float | None, bool | None]:
+        if not boundary:
+            return None, None
+        if scaler is None:
+            return optimizer.step(closure), False
+        scale = scaler.get_scale()
+        loss = scaler.step(optimizer, closure)
+        scaler.update()
+        return loss, scaler.get_scale() < scale
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
+        if boundary:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        wrappers = _wrapper_types()
+        while isinstance(model, wrappers):
+            inner = getattr(model, "_orig_mod", None) or model.module
+            if not isinstance(inner, nn.Module):
+                break
+            model = inner
+        return model
+
+    def shards_state(self, obj: Any) -> bool:
+        return holds_dtensors(obj)
+
+    @contextlib.contextmanager
+    def _gradient_sync_off(self, model: nn.Module) -> Iterator[None]:
+        """FSDP2's ``no_sync``: gradients accumulate unreduced until the outermost region ends."""
+        depth = self._no_sync_depth.get(model, 0)
+        self._no_sync_depth[model] = depth + 1
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self._no_sync_depth[model] = depth
+            if depth == 0:
+                model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    found: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
+    # Only look for the wrappers of modules already imported: importing them is slow.
+    lazy = (("torch._dynamo.eval_frame", "OptimizedModule"), ("torch.distributed.fsdp", "FullyShardedDataParallel"))
+    for module, name in lazy:
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
+def holds_dtensors(obj: Any) -> bool:
+    """Whether ``obj`` (a module, or an optimizer) holds DTensors: parameters, buffers or optimizer state."""
+    # A DTensor exists only once its module was imported: no need to import it (slow) to look.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return False
+    if isinstance(obj, nn.Module):
+        return any(isinstance(t, dtensor) for t in (*obj.parameters(), *obj.buffers()))
+    if isinstance(obj, torch.optim.Optimizer):  # a prepared optimizer too: its param_groups are the user's
+        return any(isinstance(p, dtensor) for group in obj.param_groups for p in group["params"])
+    return False

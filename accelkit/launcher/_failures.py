@@ -1,0 +1,76 @@
+"""Each worker's own failure report, and the :class:`~accelkit.WorkerError` made from them.
+
+A worker records its exception (type, message, traceback without accelkit's frames, time)
+in the run's directory before it dies, so the launcher names every failed rank, root cause
+first, whatever the elastic agent (or mpirun) noticed first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import _env, _frames, _safe_io
+from ..errors import ConfigurationError, WorkerError, WorkerFailure
+
+__all__ = ["collect_failures", "exception_name", "record_failure"]
+
+
+def record_failure(run_dir: str, exc: BaseException, text: str | None = None) -> None:
+    """Write this worker's failure report atomically into the run directory."""
+    try:
+        where = _env.detect_launch()  # torchrun's variables, or mpirun's
+    except ConfigurationError:
+        where = _env.LaunchEnv("none")
+    rank = where.rank
+    folder = os.path.join(run_dir, "failures", f"attempt{where.restart_count}")
+    os.makedirs(folder, exist_ok=True)
+    report = {
+        "rank": rank,
+        "local_rank": where.local_rank,
+        "pid": os.getpid(),
+        "exc_type": exception_name(exc),
+        "message": str(exc),
+        "traceback": text if text is not None else _frames.user_traceback(exc),
+        "timestamp": time.time(),
+    }
+    _safe_io.write_atomic(Path(folder) / f"rank{rank}.json", json.dumps(report).encode())
+
+
+def exception_name(exc: BaseException) -> str:
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerError:
+    """Merge the workers' own reports with what the agent saw (exit codes, signals)."""
+    reports: dict[int, dict[str, Any]] = {}
+    root = os.path.join(run_dir, "failures")
+    attempts = sorted(os.listdir(root), key=lambda a: int(a[7:])) if os.path.isdir(root) else []
+    if attempts:
+        last = os.path.join(root, attempts[-1])
+        for name in os.listdir(last):
+            if name.endswith(".json"):
+                with open(os.path.join(last, name)) as f:
+                    report = json.load(f)
+                reports[report["rank"]] = report
+    failures = []
+    for rank in sorted(set(reports) | set(agent_failures)):
+        seen = agent_failures.get(rank)
+        report = reports.get(rank, {})
+        failures.append(
+            WorkerFailure(
+                rank=rank,
+                local_rank=report.get("local_rank", getattr(seen, "local_rank", 0)),
+                pid=report.get("pid", getattr(seen, "pid", None)),
+                exitcode=getattr(seen, "exitcode", None) if seen is not None else 1,
+                exc_type=report.get("exc_type", ""),
+                message=report.get("message", ""),
+                traceback=report.get("traceback", ""),
+                timestamp=report.get("timestamp", getattr(seen, "timestamp", time.time())),
+            )
+        )
+    return WorkerError(failures)
