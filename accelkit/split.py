@@ -30,10 +30,10 @@ def split_between_processes(inputs: T, apply_padding: bool = False) -> Iterator[
         ['a', 'b', 'c']
     """
     st = _state.get()
-    yield shard(inputs, st.rank, st.world_size, apply_padding)
+    yield rank_slice(inputs, st.rank, st.world_size, apply_padding)
 
 
-def shard(inputs: T, rank: int, world_size: int, apply_padding: bool = False) -> T:
+def rank_slice(inputs: T, rank: int, world_size: int, apply_padding: bool = False) -> T:
     """The slice ``split_between_processes`` yields on ``rank`` of ``world_size``."""
     if isinstance(inputs, Mapping):
         lengths = {k: _length(v) for k, v in inputs.items()}
@@ -42,7 +42,7 @@ def shard(inputs: T, rank: int, world_size: int, apply_padding: bool = False) ->
                 f"accelkit.split_between_processes: the dict's values have different lengths "
                 f"{lengths}; give every value the same length"
             )
-        return type(inputs)({k: shard(v, rank, world_size, apply_padding) for k, v in inputs.items()})  # type: ignore[call-arg]
+        return type(inputs)({k: rank_slice(v, rank, world_size, apply_padding) for k, v in inputs.items()})  # type: ignore[call-arg]
     total = _length(inputs)
     base, extra = divmod(total, world_size)
     start = rank * base + min(rank, extra)

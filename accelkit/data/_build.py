@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .. import _state, _tree, collectives
 from .._state import ProcessState
-from ._loader import ActiveLoader, Plan, PreparedDataLoader
+from ._loader import ActiveLoader, LoaderPlan, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
 T = TypeVar("T")
@@ -249,8 +249,8 @@ def _plan(
     *,
     ragged: bool,
     lookahead: bool,
-) -> Plan:
-    return Plan(
+) -> LoaderPlan:
+    return LoaderPlan(
         shard=shard,
         order_generator=order_generator,
         epoch_target=epoch_target if callable(getattr(epoch_target, "set_epoch", None)) else None,

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from .. import _state, _tree
 from ._sampling import EpochRecord, ShardedBatchSampler, ShardedIterable
 
-__all__ = ["ActiveLoader", "Plan", "PreparedDataLoader"]
+__all__ = ["ActiveLoader", "LoaderPlan", "PreparedDataLoader"]
 
 _STATE_KEYS = ("epoch", "base_seed", "batches_yielded")
 _END: Any = object()
@@ -43,7 +43,7 @@ class ActiveLoader:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LoaderPlan:
     """How a prepared loader shards, orders and moves its batches (fixed at prepare time)."""
 
     shard: ShardedBatchSampler | ShardedIterable[Any]
@@ -73,7 +73,7 @@ class PreparedDataLoader(DataLoader[Any]):
 
     _accelkit_prepared = True
 
-    def __init__(self, dataset: Any, plan: Plan, base_seed: int, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, plan: LoaderPlan, base_seed: int, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self._plan = plan
         self._base_seed = base_seed

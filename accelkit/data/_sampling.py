@@ -12,7 +12,7 @@ none). No randomness and no communication here: the loader owns the generators.
 
 Example:
     >>> layout = Layout(rank=1, world=2, size=2, even=True, drop_last=False)
-    >>> list(shard(iter(range(5)), layout, EpochRecord()))
+    >>> list(slice_rounds(iter(range(5)), layout, EpochRecord()))
     [[2, 3], [1, 2]]
 """
 
@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, Sampler
 
 T = TypeVar("T")
 
-__all__ = ["EpochRecord", "Layout", "ShardedBatchSampler", "ShardedIterable", "shard"]
+__all__ = ["EpochRecord", "Layout", "ShardedBatchSampler", "ShardedIterable", "slice_rounds"]
 
 
 class EpochRecord:
@@ -92,7 +92,7 @@ def _rounds(units: Iterator[T], layout: Layout) -> Iterator[tuple[list[T], int]]
         return
 
 
-def shard(
+def slice_rounds(
     units: Iterator[T],
     layout: Layout,
     record: EpochRecord,
@@ -145,7 +145,7 @@ class ShardedBatchSampler(Sampler[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         count = _samples if self.batches else len
-        slices = shard(iter(self.base), self.layout, self.record, count, self.skip)
+        slices = slice_rounds(iter(self.base), self.layout, self.record, count, self.skip)
         return (s[0] for s in slices) if self.batches or self.unbatched else slices
 
     def __len__(self) -> int:
@@ -165,7 +165,7 @@ class ShardedIterable(IterableDataset[T]):
         self.record = EpochRecord()
 
     def __iter__(self) -> Iterator[T]:
-        return _items(shard(iter(self.dataset), self.layout, self.record))
+        return _items(slice_rounds(iter(self.dataset), self.layout, self.record))
 
     def __len__(self) -> int:
         if not isinstance(self.dataset, Sized):
