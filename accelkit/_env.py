@@ -17,6 +17,7 @@ from .errors import ConfigurationError
 # Options that `@ak.distributed` / `accelkit launch` hand to workers, and users may set.
 PRECISION = "ACCELKIT_PRECISION"
 GRADIENT_ACCUMULATION_STEPS = "ACCELKIT_GRADIENT_ACCUMULATION_STEPS"
+SYNC_EACH_BATCH = "ACCELKIT_SYNC_EACH_BATCH"
 DEBUG = "ACCELKIT_DEBUG"
 CPU = "ACCELKIT_CPU"
 BACKEND = "ACCELKIT_BACKEND"
@@ -38,6 +39,7 @@ LAUNCH_FLAGS = "ACCELKIT_LAUNCH_FLAGS"
 OPTION_VARIABLES = {
     "precision": PRECISION,
     "gradient_accumulation_steps": GRADIENT_ACCUMULATION_STEPS,
+    "sync_each_batch": SYNC_EACH_BATCH,
     "debug": DEBUG,
     "cpu": CPU,
     "backend": BACKEND,

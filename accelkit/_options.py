@@ -44,6 +44,7 @@ class Options:
 
     precision: Precision = "no"
     gradient_accumulation_steps: int = 1
+    sync_each_batch: bool = False  # under ak.accumulate, synchronise gradients on every micro-step too
     debug: bool = False
     cpu: bool = False
     backend: DistBackend | None = None
@@ -93,6 +94,7 @@ class StateOptions(TypedDict, total=False):
 
     precision: Precision | None
     gradient_accumulation_steps: int | None
+    sync_each_batch: bool | None
     debug: bool | None
     cpu: bool | None
     backend: DistBackend | None
@@ -189,7 +191,7 @@ def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, object]:
 
 # --- the rules ----------------------------------------------------------------------------------
 
-_FLAGS = ("debug", "cpu", "fsdp_reshard_after_forward", "fsdp_cpu_offload", "mpirun")
+_FLAGS = ("sync_each_batch", "debug", "cpu", "fsdp_reshard_after_forward", "fsdp_cpu_offload", "mpirun")
 # name -> (smallest value, largest value or None, how to fix a bad one)
 _INTEGERS: dict[str, tuple[int, int | None, str]] = {
     "gradient_accumulation_steps": (1, None, "use 1 to step the optimizer on every batch"),

@@ -11,17 +11,16 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _env, _frames
+from . import _env, _frames, _group
 from ._backends import Backend, select_backend
 from ._options import INIT_LAUNCH_NAMES, InitOptions, Options
 from .config import resolve
-from .errors import ConfigurationError, StateError
+from .errors import StateError
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -55,7 +54,8 @@ class ProcessState:
     pid: int = field(default_factory=os.getpid, repr=False, compare=False)
     hardware: Backend | None = field(default=None, repr=False, compare=False)
     strategy: Strategy | None = field(default=None, repr=False, compare=False)  # chosen once, from the options
-    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> where it came from
+    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> its layer
+    origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> who set it in code
 
     @property
     def distributed(self) -> bool:
@@ -137,7 +137,7 @@ def get() -> ProcessState:
     if st is not None and st.pid == os.getpid():
         return st
     with _lock:
-        return _current() or _create({}, {}, "first use")
+        return _current() or _create({}, {}, f"{_frames.call_site()} (first use)")
 
 
 def strategy() -> Strategy:
@@ -160,14 +160,25 @@ def origin() -> str:
 
 
 def init(**options: Unpack[InitOptions]) -> ProcessState:
-    """Initialise the state explicitly (optional); the same options again are a no-op.
+    """Initialise the state explicitly (optional), or set options of the state that exists.
+
+    Options set in code apply, wherever ``ak.init`` is called (where ``Accelerator(...)`` was, even
+    inside a launched function): they replace values that came from defaults, ``ACCELKIT_*``
+    variables or the config file. Two different explicit values for one option (two ``ak.init``
+    calls, ``@ak.distributed(precision=...)`` and ``ak.init(precision=...)``, or code and an
+    ``accelkit launch`` flag) are an error naming both. The same options again are a no-op.
 
     Example:
         >>> import accelkit as ak
         >>> ak.init(precision="bf16").options.precision
         'bf16'
     """
-    given: dict[str, Any] = dict(options)
+    return configure(dict(options), f"accelkit.init at {_frames.call_site()}")
+
+
+def configure(options: Mapping[str, Any], origin: str) -> ProcessState:
+    """What :func:`init` does; ``origin`` says who set these options (for conflict messages)."""
+    given = dict(options)
     launch_opts = {k: given.pop(k) for k in INIT_LAUNCH_NAMES if k in given}
     for name in ("max_restarts", "start_method"):
         if name in given:
@@ -179,19 +190,72 @@ def init(**options: Unpack[InitOptions]) -> ProcessState:
     with _lock:
         st = _current()
         if st is None:
-            st = _create(explicit, launch_opts, "accelkit.init")
-        else:
-            wanted = resolve(explicit, call="accelkit.init").options
-            conflicts = {k: v for k, v in explicit.items() if getattr(wanted, k) != getattr(st.options, k)}
-            if conflicts:
-                asked = ", ".join(f"{k}={v!r}" for k, v in conflicts.items())
-                have = ", ".join(f"{k}={getattr(st.options, k)!r}" for k in conflicts)
-                raise StateError(
-                    f"accelkit.init({asked}) conflicts with the state created at {_origin} with "
-                    f"{have}. Pass the same options, or call ak.reset_state() first to start over."
-                )
+            st = _create(explicit, launch_opts, origin)
+        elif explicit:
+            st = _update(st, explicit, origin)
         _check_launch(st, launch_opts)
         return st
+
+
+def explicit_options() -> dict[str, Any]:
+    """The options of the current state that were set explicitly (code or launcher flags), by name."""
+    st = _current()
+    if st is None:
+        return {}
+    return {k: getattr(st.options, k) for k, source in st.sources.items() if source in ("code", "flag")}
+
+
+# Options fixed once the device is chosen and the process group formed (changing them needs a new group).
+_FIXED_WITH_THE_GROUP = ("cpu", "backend", "timeout")
+# Options that choose the strategy: changing them is only possible before anything was prepared.
+_STRATEGY_OPTIONS = ("strategy", "fsdp_wrap", "fsdp_min_params", "fsdp_reshard_after_forward", "fsdp_cpu_offload",
+                     "deepspeed_config")  # fmt: skip
+
+
+def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessState:
+    """The state with ``explicit`` applied over what defaults, variables and the config file gave."""
+    global _state
+    wanted = resolve(explicit, call="accelkit.init")  # validates; a launcher flag that differs is an error
+    changes = {k: getattr(wanted.options, k) for k in explicit if getattr(wanted.options, k) != getattr(st.options, k)}
+    if not changes and all(st.sources.get(k) in ("code", "flag") for k in explicit):
+        return st  # the same options again
+    set_before = [k for k in changes if st.sources.get(k) in ("code", "flag")]
+    if set_before:
+        lines = "; ".join(
+            f"{k}={changes[k]!r} here, {getattr(st.options, k)!r} set by {st.origins.get(k, 'a launcher flag')}"
+            for k in set_before
+        )
+        raise StateError(
+            f"{origin}: {', '.join(set_before)} set twice with different values ({lines}). "
+            f"Pass the same value, or set it in one place only."
+        )
+    fixed = [k for k in changes if k in _FIXED_WITH_THE_GROUP]
+    if fixed and st.distributed:
+        raise StateError(
+            f"{origin}: {', '.join(f'{k}={changes[k]!r}' for k in fixed)} cannot apply any more: this process "
+            f"already joined the {st.backend} process group on {st.device} when accelkit's state was created at "
+            f"{_origin}. Call ak.init({', '.join(f'{k}=...' for k in fixed)}) before anything else uses accelkit, "
+            f"or pass it to @ak.distributed / ak.launch / `accelkit launch`."
+        )
+    if any(k in _STRATEGY_OPTIONS for k in changes) and (len(training.models) or len(training.optimizers)):
+        raise StateError(
+            f"{origin}: {', '.join(k for k in changes if k in _STRATEGY_OPTIONS)} cannot change after ak.prepare "
+            f"wrapped a model for strategy={st.options.strategy!r}; call ak.init(...) before ak.prepare."
+        )
+    options = replace(st.options, **changes)
+    hardware, device = st.hardware, st.device
+    if fixed:  # one process, no group: choose the device again
+        hardware = select_backend(cpu=options.cpu)
+        device = hardware.device(st.local_rank)
+    from ._strategies import select_strategy
+
+    sources = {**st.sources, **dict.fromkeys(explicit, "code")}
+    origins = {**st.origins, **dict.fromkeys(explicit, origin)}
+    strategy = select_strategy(options, st.world_size, device) if changes else st.strategy
+    _state = replace(
+        st, options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
+    )
+    return _state
 
 
 def reset_state() -> None:
@@ -202,15 +266,29 @@ def reset_state() -> None:
     global _state, _owns_group, breakpoint_requested, training, group
     with _lock:
         if _current() is not None and _owns_group:
-            _destroy_group()
+            _group.destroy()
         _state, _owns_group, breakpoint_requested = None, False, False
         training, group = TrainingState(), GroupState()
 
 
-def new_training() -> None:
-    """Forget the training objects (prepared optimizers, loaders, scaler); keep the process group."""
-    global training
-    training = TrainingState()
+def new_task() -> None:
+    """Start a task afresh in a process whose group lives on (``accelkit.testing``'s workers):
+    forget the training objects and the options set in code; keep the group and the device."""
+    global training, _state
+    with _lock:
+        training = TrainingState()
+        st = _current()
+        if st is not None and st.origins:
+            from ._strategies import select_strategy
+
+            resolved = resolve(call="accelkit.testing")
+            _state = replace(
+                st,
+                options=resolved.options,
+                sources=dict(resolved.sources),
+                origins={},
+                strategy=select_strategy(resolved.options, st.world_size, st.device),
+            )
 
 
 def _current() -> ProcessState | None:
@@ -222,8 +300,8 @@ def _current() -> ProcessState | None:
     return _state
 
 
-def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) -> ProcessState:
-    global _state, _origin, _owns_group
+def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) -> ProcessState:
+    global _state, _origin, _owns_group, _generation
     resolved = resolve(explicit, call="accelkit.init")
     options = resolved.options
     launch = _env.detect_launch()
@@ -234,10 +312,15 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        launch = _adopt(launch, dist)
+        launch = _group.adopt(launch, dist)
         backend = str(dist.get_backend())
     elif launch.world_size > 1:
-        _init_group(launch, backend, options.timeout, launch_opts)
+        # The elastic agent's store outlives a restart, and this process may form a group again after
+        # reset_state: each attempt and each group gets its own key prefix.
+        prefix = f"accelkit/attempt{launch.restart_count}/group{_generation}"
+        _group.form(launch, backend, options.timeout, launch_opts, prefix)
+        _generation += 1
+        group.prefix = prefix
         owns = True
     from ._strategies import select_strategy
 
@@ -256,105 +339,18 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
         hardware=hardware,
         strategy=select_strategy(options, launch.world_size, device),
         sources=dict(resolved.sources),
+        origins=dict.fromkeys(explicit, origin),
     )
-    _state, _owns_group, _origin = st, owns, f"{_frames.call_site()} ({reason})"
+    _state, _owns_group, _origin = st, owns, origin
     if owns:
         _register_exit_hook()
     return st
 
 
-def _adopt(launch: _env.LaunchEnv, dist: Any) -> _env.LaunchEnv:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if launch.launcher == "none":
-        return _env.LaunchEnv("user", rank, world, rank, world, 0, 1)
-    if (launch.rank, launch.world_size) != (rank, world):
-        raise StateError(
-            f"the existing process group says rank {rank} of {world}, but the {launch.launcher} "
-            f"variables say rank {launch.rank} of {launch.world_size}; create the group with "
-            f"the launcher's RANK and WORLD_SIZE, or let accelkit create it"
-        )
-    return launch
-
-
-def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any]) -> None:
-    global _generation
-    import torch.distributed as dist
-
-    addr = launch.master_addr or launch_opts.get("master_addr")
-    port = launch.master_port or launch_opts.get("master_port")
-    if addr is None:
-        if launch.num_nodes > 1:
-            raise ConfigurationError(
-                f"rank {launch.rank}: {launch.launcher} started {launch.num_nodes} nodes but "
-                f"MASTER_ADDR is not set; export MASTER_ADDR=<address of the rank-0 node>"
-            )
-        addr = "127.0.0.1"
-    if port is None:
-        if launch.launcher in ("openmpi", "pmi", "slurm"):
-            port = 29500  # torch's conventional default; set MASTER_PORT to choose another
-        else:
-            raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
-    # The elastic agent's store outlives a restart, and this process may form a group again after
-    # reset_state: each attempt and each group gets its own key prefix.
-    prefix = f"accelkit/attempt{launch.restart_count}/group{_generation}"
-    try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            str(addr),
-            int(port),
-            launch.world_size,
-            is_master=launch.rank == 0 and not launch.agent_store,
-            timeout=timedelta(seconds=timeout),
-        )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timedelta(seconds=timeout),
-        )
-    except Exception as exc:
-        raise StateError(
-            f"rank {launch.rank} of {launch.world_size} could not join the {backend} process "
-            f"group at {addr}:{port} within {timeout:g} s: {exc}. Check that every rank was "
-            f"started and that MASTER_ADDR/MASTER_PORT agree across them."
-        ) from exc
-    _generation += 1
-    group.prefix = prefix
-
-
-# --- reform_group: used by accelkit.memory after a rank ran out of memory mid-collective ---------
-
-
 def reform_group(store: Any, prefix: str) -> None:
-    """Replace this process's default group by a fresh one on ``store``, under ``prefix``.
-
-    Every rank calls it with the same ``prefix``, new to ``store``. The current group, if
-    this process still has one, is destroyed first; the new one has the state's ranks,
-    backend and timeout. The caller keeps ``store`` referenced throughout: rank 0's
-    TCPStore server would otherwise go away with the old group.
-    """
-    import torch.distributed as dist
-
+    """Replace this process's default group by a fresh one on ``store``, under ``prefix`` (see ``_group.reform``)."""
     with _lock:
-        st = get()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        try:
-            dist.init_process_group(
-                st.backend,
-                store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-                rank=st.rank,
-                world_size=st.world_size,
-                timeout=timedelta(seconds=st.options.timeout),
-            )
-        except Exception as exc:
-            raise StateError(
-                f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
-                f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
-            ) from exc
-
-
-# --- end of reform_group ---------------------------------------------------------------------
+        _group.reform(get(), store, prefix)
 
 
 def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
@@ -366,13 +362,6 @@ def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
                 f"{name}={actual[name]}; init does not start processes: use @ak.distributed, "
                 f"ak.launch or `accelkit launch` to choose {name}"
             )
-
-
-def _destroy_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _register_exit_hook() -> None:

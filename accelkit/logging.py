@@ -18,6 +18,9 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
     ``in_order=True`` makes every rank log, one after the other, rank 0 first. The ranks
     meet at a barrier after each turn whatever their log level, so ranks configured with
     different levels cannot deadlock; every rank must make the call.
+
+    ``stacklevel`` counts as in Accelerate's adapter: 2 (the default) is the line that called
+    the logging method, 3 that line's caller (for a helper that logs on its caller's behalf).
     """
 
     def __init__(self, logger: logging.Logger) -> None:
@@ -31,10 +34,10 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
         *args: object,
         main_process_only: bool = True,
         in_order: bool = False,
-        stacklevel: int = 1,
+        stacklevel: int = 2,
         **kwargs: Any,
     ) -> None:
-        # +1: this frame stands between the caller and the logger.
+        # +1: _emit's frame stands between this one and the logger (Accelerate's adapter has only this one).
         stacklevel += 1
         if in_order:
             st = _state.get()
@@ -49,7 +52,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
             return
         self._emit(level, msg, args, stacklevel, kwargs)
 
-    def warning_once(self, msg: object, *args: object, stacklevel: int = 1, **kwargs: Any) -> None:
+    def warning_once(self, msg: object, *args: object, stacklevel: int = 2, **kwargs: Any) -> None:
         """Log a warning the first time these arguments are seen by this logger."""
         key = (msg, args, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])))
         if key in self._warned:
@@ -62,7 +65,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     def _emit(self, level: int, msg: object, args: tuple[object, ...], stacklevel: int, kwargs: dict[str, Any]) -> None:
         msg, kwargs = self.process(msg, kwargs)  # type: ignore[assignment]
-        self.logger.log(level, msg, *args, stacklevel=stacklevel + 1, **kwargs)
+        self.logger.log(level, msg, *args, stacklevel=stacklevel, **kwargs)
 
 
 def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:

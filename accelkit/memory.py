@@ -51,11 +51,11 @@ R = TypeVar("R")
 
 __all__ = ["find_executable_batch_size", "free_memory"]
 
-# What allocators put in the RuntimeError they raise when memory runs out.
+# What allocators put in the RuntimeError they raise when memory runs out ("CUDA out of memory.",
+# "CPU out of memory.", "XPU ...", "CUDA error: out of memory": all contain " out of memory").
 _OOM_MESSAGES = (
-    "CUDA out of memory", "CUDA error: out of memory", "HIP out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory",
-    "XPU out of memory", "MPS backend out of memory", "NPU out of memory", "PT_DEVMEM Allocation failed",
+    " out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate memory", "PT_DEVMEM Allocation failed",
 )  # fmt: skip
 
 
@@ -164,6 +164,11 @@ def _wrap(function: Callable[..., R], start: int) -> Callable[..., R]:
 
 
 def _run(fn: Callable[..., R], start: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+    if start == 0:  # as Accelerate: a zero start is a call that finds nothing, not a decoration error
+        raise RuntimeError(
+            f"accelkit.find_executable_batch_size: no executable batch size found for {_name(fn)}: "
+            f"starting_batch_size=0; start from a positive size, e.g. starting_batch_size=128"
+        )
     team = Team.join()
     batch_size, tried = start, []
     while True:
@@ -274,7 +279,7 @@ def _check_start(value: object) -> int:
             f"accelkit.find_executable_batch_size(starting_batch_size={value!r}): expected an integer, "
             f"e.g. starting_batch_size=128"
         )
-    if value < 1:
+    if value < 0:
         raise ValueError(
             f"accelkit.find_executable_batch_size(starting_batch_size={value!r}): expected a positive "
             f"batch size to start from, e.g. starting_batch_size=128"

@@ -30,22 +30,35 @@ def test_state_is_frozen() -> None:
         ak.state().rank = 3  # type: ignore[misc]
 
 
-def test_init_same_options_is_a_noop_and_conflicts_name_the_origin() -> None:
+def test_init_same_options_is_a_noop_and_conflicts_name_both_places() -> None:
     st = ak.init(precision="bf16", gradient_accumulation_steps=2)
     assert ak.init(precision="bf16") is st
     assert st.options.precision == "bf16" and st.options.gradient_accumulation_steps == 2
     with pytest.raises(ak.StateError) as err:
         ak.init(precision="fp16")
     message = str(err.value)
-    assert "precision='fp16'" in message and "precision='bf16'" in message
-    assert __file__ in message  # where the state was first created
-    assert "reset_state" in message
+    assert "precision='fp16' here, 'bf16' set by accelkit.init at " in message
+    assert message.count(__file__) == 2  # where each value was set
+    assert "set it in one place only" in message and "reset_state" not in message
 
 
-def test_lazy_state_then_conflicting_init_says_it_was_first_use() -> None:
-    ak.rank()
-    with pytest.raises(ak.StateError, match="first use"):
-        ak.init(debug=True)
+def test_init_after_first_use_sets_the_options_that_were_defaults() -> None:
+    first = ak.state()  # e.g. ak.print, ak.rank before the user's ak.init
+    assert first.options.debug is False
+    st = ak.init(debug=True, precision="bf16", gradient_accumulation_steps=3)
+    assert (st.options.debug, st.options.precision, st.options.gradient_accumulation_steps) == (True, "bf16", 3)
+    assert ak.state() is st and (st.rank, st.device) == (first.rank, first.device)
+
+
+def test_init_in_code_overrides_the_environment_but_not_a_launch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELKIT_PRECISION", "fp16")
+    assert ak.state().options.precision == "fp16"
+    assert ak.init(precision="bf16").options.precision == "bf16"  # code > ACCELKIT_*
+    ak.reset_state()
+    monkeypatch.setenv("ACCELKIT_LAUNCH_FLAGS", "precision")  # as `accelkit launch --precision fp16` sets it
+    ak.state()
+    with pytest.raises(ak.ConfigurationError, match=r"'bf16' in code.*'fp16' by `accelkit launch --precision`"):
+        ak.init(precision="bf16")
 
 
 def test_reset_state_forgets() -> None:

@@ -64,9 +64,17 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = Non
     target = Path(directory).absolute()
     token = str(collectives.broadcast_object(f"{uuid.uuid4().hex[:12]}|{target}" if st.is_main_process else None))
     tmp = target.with_name(f"{_TMP}{target.name}-{token[:12]}")
-    if token[13:] != str(target):
-        raise CheckpointError(f"{call} on rank {st.rank}, but rank 0 saves to {token[13:]!r}; pass the same directory")
     main = st.is_main_process
+
+    def same_directory() -> None:
+        if token[13:] != str(target):  # inside an agreement: every rank raises, none waits
+            raise CheckpointError(
+                f"this rank saves to {str(target)!r} but rank 0 to {token[13:]!r}; a checkpoint is one directory: "
+                f"pass the same path on every rank (decide it on the main process and share it with "
+                f"ak.broadcast_object(path), or derive it from the step)"
+            )
+
+    _every_rank(call, "nothing was written", same_directory)
     _every_rank(call, "nothing was written", lambda: _commit.begin(target, tmp) if main else None)
 
     def write() -> dict[str, _safe_io.FileRecord]:

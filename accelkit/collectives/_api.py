@@ -99,7 +99,9 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
 
     Every rank must call it, with the same structure, dtypes and ``dim``; the sizes are
     exchanged in one collective, so the results have the same shapes everywhere and
-    can be gathered. ``pad_first`` pads at the start instead of the end.
+    can be gathered. ``pad_first`` pads at the start instead of the end. Tensors that have
+    no dimension ``dim`` (a 0-d tensor, ``dim=2`` of a matrix) come back unchanged, as with
+    Accelerate, so that one call pads every tensor of a mixed structure that has it.
 
     Example:
         >>> import accelkit as ak, torch
@@ -110,11 +112,15 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
     leaves, spec = _inputs(st, "pad_across_processes", {"dim": dim}, data, _pad_check(dim, pad_index, pad_first), dim)
     if not st.distributed:
         return data
-    dims = [dim % x.dim() for x in leaves]
-    lengths = [x.shape[d] for x, d in zip(leaves, dims, strict=True)]
+    padded = [i for i, x in enumerate(leaves) if -x.dim() <= dim < x.dim()]
+    dims = [dim % leaves[i].dim() for i in padded]
+    lengths = [leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)]
     with _communication(st, "pad_across_processes"):
         sizes = _exchange.max_sizes(lengths, st.device, st.world_size)
-    return _tree.unflatten(spec, _exchange.pad(leaves, dims, sizes, pad_index, pad_first))  # type: ignore[no-any-return]
+    out = [x.clone() for x in leaves]
+    for i, x in zip(padded, _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first), strict=True):
+        out[i] = x
+    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
 def gather_object(obj: Any) -> list[Any]:
@@ -233,17 +239,6 @@ def _pad_check(dim: int, pad_index: Any, pad_first: bool) -> Check:
             raise TypeError(f"accelkit.pad_across_processes(pad_index={pad_index!r}): expected a number to pad with")
         if not isinstance(pad_first, bool):
             raise TypeError(f"accelkit.pad_across_processes(pad_first={pad_first!r}): expected True or False")
-        for i, x in enumerate(leaves):
-            if x.dim() == 0:
-                raise ValueError(
-                    f"accelkit.pad_across_processes: {_tree.leaf_paths(spec)[i]} is a 0-d tensor, which has "
-                    f"no dimension to pad; reshape it to 1-d first (x.reshape(1))"
-                )
-            if not -x.dim() <= dim < x.dim():
-                raise ValueError(
-                    f"accelkit.pad_across_processes(dim={dim}): {_tree.leaf_paths(spec)[i]} has shape "
-                    f"{list(x.shape)}, which has no dimension {dim}; pass a dim between {-x.dim()} and {x.dim() - 1}"
-                )
 
     return check
 

@@ -72,7 +72,7 @@ def _describe(
     key = []
     for x in leaves:
         shape: list[int | None] = list(x.shape)
-        if free_dim is not None and x.dim():
+        if free_dim is not None and -x.dim() <= free_dim < x.dim():
             shape[free_dim % x.dim()] = None  # free to differ across processes
         key.append((str(x.dtype), tuple(shape)))
     structure = _tree.describe(spec, ["*"] * len(leaves))

@@ -64,7 +64,14 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
 
 
+def _data(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves without autograd history: results are new tensors, and the backends refuse (gloo's
+    all-gather) or silently mis-record (in-place reductions) tensors that require grad."""
+    return [x.detach() if x.requires_grad else x for x in leaves]
+
+
 def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    leaves = _data(leaves)
     if len(leaves) == 1 and leaves[0].dtype in _NATIVE:
         x = leaves[0]
         x = x.reshape(1) if x.dim() == 0 else x.contiguous()
@@ -85,6 +92,7 @@ def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
 
 
 def broadcast(leaves: list[torch.Tensor], src: int, rank: int) -> list[torch.Tensor]:
+    leaves = _data(leaves)
     if len(leaves) == 1 and leaves[0].dtype in _NATIVE:
         x = leaves[0]
         if rank == src:
@@ -109,6 +117,7 @@ def broadcast(leaves: list[torch.Tensor], src: int, rank: int) -> list[torch.Ten
 
 
 def reduce(leaves: list[torch.Tensor], op: str, world: int) -> list[torch.Tensor]:
+    leaves = _data(leaves)
     red = dist.ReduceOp.SUM if op == "mean" and any(x.is_complex() for x in leaves) else _OPS[op]
     if len(leaves) == 1 and leaves[0].dtype not in _WIDER:  # the common case, kept lean
         buf = leaves[0].clone(memory_format=torch.contiguous_format).resolve_conj()
@@ -237,7 +246,8 @@ def _sizes(offsets: list[int], total: int) -> list[int]:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous 1-d tensor (a view when it already is one)."""
-    return (x.resolve_conj() if x.dtype in _COMPLEX else x).reshape(-1)
+    # contiguous(): reshape keeps a broadcast (stride 0) view as it is, which cannot be viewed as bytes
+    return (x.resolve_conj() if x.dtype in _COMPLEX else x).contiguous().view(-1)
 
 
 def _pack(leaves: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, list[int]]:

@@ -203,6 +203,7 @@ def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
     checked: dict[str, object] = {
         "precision": f.choice("precision", PRECISIONS, NO_ALIAS),
         "gradient_accumulation_steps": f.integer("gradient_accumulation_steps", 1),
+        "sync_each_batch": f.flag("sync_each_batch"),
         "debug": f.flag("debug"),
         "cpu": f.flag("cpu"),
         "backend": f.choice("backend", DIST_BACKENDS),

@@ -69,6 +69,9 @@ def resolve(
     for origin, values in layers:
         merged.update(values)
         sources.update(dict.fromkeys(values, origin))
+    for name in _env.launch_flags(env):  # `accelkit launch` flags reach the workers as variables
+        if sources.get(name) == "environment":
+            sources[name] = "flag"
     state = {k: v for k, v in merged.items() if k in Options.names()}
     launch = {k: v for k, v in merged.items() if k in LaunchSettings.names()}
     return Resolved(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
+from dataclasses import replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from .. import _state, _tree, collectives
+from .._options import is_int
 from .._state import ProcessState
 from ._loader import ActiveLoader, LoaderPlan, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
@@ -30,7 +32,9 @@ __all__ = ["PreparedDataLoader", "gather_for_metrics", "prepare_dataloader", "sk
 _MISSING: Any = object()
 
 
-def prepare_dataloader(loader: DataLoader[Any], *, even_batches: bool = True) -> DataLoader[Any]:
+def prepare_dataloader(
+    loader: DataLoader[Any], *, even_batches: bool = True, split_batches: bool = False, data_seed: int | None = None
+) -> DataLoader[Any]:
     """``loader`` rebuilt to yield this rank's shard of each epoch, on ``ak.device()``.
 
     Every rank must call it, in the same order (rank 0's seed is broadcast once). Each
@@ -42,12 +46,20 @@ def prepare_dataloader(loader: DataLoader[Any], *, even_batches: bool = True) ->
     left uneven: the last ranks get a smaller batch or none, so they may run one step fewer
     and every collective in the loop must then be guarded so that all ranks call it equally.
 
+    ``split_batches=True`` (Accelerate's option of that name): the loader's ``batch_size`` is the
+    global batch, split between the ranks (it must divide by the number of processes), so the
+    steps per epoch are those of one process.
+
     The order: the sampler's (``shuffle=True``'s ``RandomSampler``, a ``WeightedRandomSampler``,
-    a custom sampler), reseeded every epoch from one seed drawn at prepare time (after
-    ``ak.set_seed``), and ``set_epoch(epoch)`` is called on samplers and datasets that have
-    one. A custom sampler without a ``generator`` attribute must yield the same order on
-    every rank. A custom ``batch_sampler`` is sharded by whole batches (rank ``r`` takes
-    batches ``r, r + world, ...``; even_batches repeats the first batches). Iterable datasets:
+    a custom sampler). When the loader (or its sampler) has a ``generator``, the order continues
+    from rank 0's generator epoch after epoch exactly as the plain loader's would (one process
+    sees the same batches as the unprepared loader); without one, it is reseeded every epoch
+    from one seed drawn at prepare time (after ``ak.set_seed``), or from ``data_seed`` when given
+    (the same order in every run, whatever the other seeds). ``set_epoch(epoch)`` is called on
+    samplers and datasets that have one. A custom sampler without a ``generator`` attribute must yield the same order on
+    every rank. A custom ``batch_sampler`` (or a ``BatchSampler`` passed as ``sampler`` with
+    ``batch_size=None``) is sharded by whole batches (rank ``r`` takes batches ``r, r + world,
+    ...``; even_batches repeats the first batches, counted in samples). Iterable datasets:
     every rank reads the stream and keeps its slice of each global batch; with DataLoader
     workers each worker's stream is sharded (and padded) on its own.
 
@@ -65,27 +77,47 @@ def prepare_dataloader(loader: DataLoader[Any], *, even_batches: bool = True) ->
             f"accelkit.prepare_dataloader: expected a torch.utils.data.DataLoader, got {type(loader).__qualname__} "
             f"{loader!r:.60}; wrap the data first: ak.prepare(torch.utils.data.DataLoader(dataset, batch_size=32))"
         )
-    if not isinstance(even_batches, bool):
-        raise TypeError(f"accelkit.prepare(even_batches={even_batches!r}): expected True or False")
+    for name, flag in (("even_batches", even_batches), ("split_batches", split_batches)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"accelkit.prepare({name}={flag!r}): expected True or False")
+    if data_seed is not None and (not is_int(data_seed) or not 0 <= data_seed < 2**63):
+        raise ValueError(
+            f"accelkit.prepare(data_seed={data_seed!r}): expected a non-negative integer, e.g. data_seed=42"
+        )
     st = _state.get()
     if isinstance(loader.dataset, IterableDataset):
-        prepared = _prepare_stream(loader, st, even_batches)
+        prepared = _prepare_stream(loader, st, even_batches, split_batches, data_seed)
     else:
-        prepared = _prepare_map(loader, st, even_batches)
+        prepared = _prepare_map(loader, st, even_batches, split_batches, data_seed)
     _state.training.loaders.append(weakref.ref(prepared))  # ak.save_state records its position
     return prepared
 
 
-def _prepare_map(loader: DataLoader[Any], st: ProcessState, even_batches: bool) -> PreparedDataLoader:
+def _prepare_map(
+    loader: DataLoader[Any], st: ProcessState, even_batches: bool, split_batches: bool, data_seed: int | None
+) -> PreparedDataLoader:
     base, size, drop, batches = _base_order(loader)
+    if split_batches and batches:
+        raise ValueError(
+            "accelkit.prepare(split_batches=True): this DataLoader has a batch sampler, whose batches are "
+            "sharded whole between the processes; drop split_batches, or give the DataLoader a batch_size"
+        )
+    size = _split(size, st, split_batches)
     order_gen = torch.Generator()
     base, owned, used = _with_generator(base, batches, order_gen)
     layout = Layout(st.rank, st.world_size, size, even=even_batches and st.world_size > 1, drop_last=drop)
     unbatched = loader.batch_sampler is None
     shard = ShardedBatchSampler(base, layout, batches=batches, unbatched=unbatched)
     ragged = batches or not (layout.even or drop)
+    follow = isinstance(used, torch.Generator) and data_seed is None
     plan = _plan(st, loader, shard, order_gen if owned else None, base, ragged=ragged, lookahead=False)
-    seed = _base_seed(used or loader.generator, st)
+    if follow:
+        state = _shared_state(used, st)  # every rank continues rank 0's generator
+        order_gen.set_state(state)
+        plan = replace(plan, follow=True, draws_seed=loader.generator is used)
+        seed = _base_seed(torch.Generator().set_state(state), st)
+    else:
+        seed = data_seed if data_seed is not None else _base_seed(used or loader.generator, st)
     options = _loader_options(loader)
     if unbatched:
         return PreparedDataLoader(loader.dataset, plan, seed, sampler=shard, batch_size=None, **options)
@@ -96,9 +128,12 @@ def _prepare_map(loader: DataLoader[Any], st: ProcessState, even_batches: bool) 
     return prepared
 
 
-def _prepare_stream(loader: DataLoader[Any], st: ProcessState, even_batches: bool) -> PreparedDataLoader:
+def _prepare_stream(
+    loader: DataLoader[Any], st: ProcessState, even_batches: bool, split_batches: bool, data_seed: int | None
+) -> PreparedDataLoader:
     even = even_batches and st.world_size > 1
-    layout = Layout(st.rank, st.world_size, loader.batch_size or 1, even=even, drop_last=loader.drop_last)
+    size = _split(loader.batch_size or 1, st, split_batches)
+    layout = Layout(st.rank, st.world_size, size, even=even, drop_last=loader.drop_last)
     shard: ShardedIterable[Any] = ShardedIterable(loader.dataset, layout)  # type: ignore[arg-type]
     in_workers = loader.num_workers > 0
     if in_workers and even:
@@ -109,9 +144,9 @@ def _prepare_stream(loader: DataLoader[Any], st: ProcessState, even_batches: boo
         )
     ragged = not (even or loader.drop_last)
     plan = _plan(st, loader, shard, None, loader.dataset, ragged=ragged, lookahead=in_workers)
-    seed = _base_seed(loader.generator, st)
+    seed = data_seed if data_seed is not None else _base_seed(loader.generator, st)
     options = _loader_options(loader)
-    return PreparedDataLoader(shard, plan, seed, batch_size=loader.batch_size, drop_last=loader.drop_last, **options)
+    return PreparedDataLoader(shard, plan, seed, batch_size=size, drop_last=loader.drop_last, **options)
 
 
 def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
@@ -205,8 +240,9 @@ def _gather_ragged(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]
 def _base_order(loader: DataLoader[Any]) -> tuple[Any, int, bool, bool]:
     """What orders a map-style loader: (sampler or batch sampler, units per batch, drop_last, whole batches)."""
     batch_sampler = loader.batch_sampler
-    if batch_sampler is None:  # batch_size=None: one sample at a time
-        return loader.sampler, 1, False, False
+    if batch_sampler is None:  # batch_size=None: the sampler's items are fetched one at a time
+        # ... unless the sampler yields whole batches (DataLoader(ds, sampler=BatchSampler(...), batch_size=None)).
+        return loader.sampler, 1, False, isinstance(loader.sampler, BatchSampler)
     if type(batch_sampler) is BatchSampler:
         return batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last, False
     return batch_sampler, 1, False, True
@@ -230,6 +266,26 @@ def _with_generator(base: Any, batches: bool, generator: torch.Generator) -> tup
     base = copy.copy(base)
     base.sampler = sampler
     return base, True, used
+
+
+def _split(size: int, st: ProcessState, split_batches: bool) -> int:
+    """The per-process batch size: ``size`` itself, or with ``split_batches`` its share of it."""
+    if not split_batches:
+        return size
+    if size % st.world_size:
+        raise ValueError(
+            f"accelkit.prepare(split_batches=True): batch_size={size} does not split evenly between "
+            f"{st.world_size} processes; use a multiple of {st.world_size}, or split_batches=False"
+        )
+    return size // st.world_size
+
+
+def _shared_state(generator: torch.Generator, st: ProcessState) -> torch.Tensor:
+    """``generator``'s state, rank 0's on every rank."""
+    state = generator.get_state()
+    if st.distributed:
+        state = collectives.broadcast(state.to(st.device)).cpu()
+    return state
 
 
 def _base_seed(generator: torch.Generator | None, st: ProcessState) -> int:

@@ -8,6 +8,8 @@ iteration ends, raises, or is closed (a ``break`` drops the iterator).
 
 from __future__ import annotations
 
+import base64
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
@@ -54,6 +56,11 @@ class LoaderPlan:
     non_blocking: bool
     ragged: bool
     lookahead: bool  # iterable dataset in DataLoader workers: find the last batch by reading ahead
+    # The order generator continues from the user's generator, epoch after epoch, as a plain
+    # DataLoader's would (instead of a reseed per epoch); draws_seed: the plain loader also draws
+    # its workers' base seed from that generator at the start of each epoch.
+    follow: bool = False
+    draws_seed: bool = False
 
 
 class PreparedDataLoader(DataLoader[Any]):
@@ -61,8 +68,8 @@ class PreparedDataLoader(DataLoader[Any]):
 
     Made by ``ak.prepare(loader)``; ``len()`` is the number of batches per rank. Every new
     iteration is a new epoch. ``state_dict()`` / ``load_state_dict()`` save and restore
-    ``{"epoch", "base_seed", "batches_yielded"}``, so that a resumed run continues the
-    interrupted epoch exactly.
+    ``{"epoch", "base_seed", "batches_yielded"}`` (and ``"order_state"`` when the order follows
+    the user's generator), so that a resumed run continues the interrupted epoch exactly.
 
     Example:
         >>> import accelkit as ak, torch
@@ -81,13 +88,15 @@ class PreparedDataLoader(DataLoader[Any]):
         self._skip = 0  # batches the next iteration skips
         self._yielded = 0  # batches of the current epoch handed out (skipped ones included)
         self._running = False  # an epoch started and did not run to its end
+        self._epoch_order: torch.Tensor | None = None  # the order generator's state when this epoch began
+        self._pending_order: torch.Tensor | None = None  # a restored state, for the next epoch
+        self._joinables: list[weakref.ReferenceType[Any]] = []  # see join_uneven_inputs
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         plan, epoch, skip = self._plan, self._epoch, self._skip
         self._epoch, self._skip, self._yielded, self._running = epoch + 1, 0, skip, True
         seed = self._base_seed + epoch
-        if plan.order_generator is not None:
-            plan.order_generator.manual_seed(seed % 2**64)
+        self._start_order(seed)
         # DataLoader workers' seeds come from this one: its own stream, different on every rank.
         self.generator.manual_seed((seed * 0x9E3779B97F4A7C15 + plan.rank) % 2**64)
         if plan.epoch_target is not None:
@@ -100,7 +109,29 @@ class PreparedDataLoader(DataLoader[Any]):
             batches = _mark_last(batches, record)
         if isinstance(plan.shard, ShardedIterable) and skip:
             batches = islice(batches, skip, None)  # a stream must be read to be skipped
-        return self._iterate(batches, record, skip)
+        joinables = [j for j in (ref() for ref in self._joinables) if j is not None]
+        iterated = self._iterate(batches, record, skip)
+        return _joined(iterated, joinables) if joinables else iterated
+
+    def _start_order(self, seed: int) -> None:
+        """Put the order generator where this epoch's order starts."""
+        gen, plan = self._plan.order_generator, self._plan
+        if gen is None:
+            return
+        if not plan.follow:
+            gen.manual_seed(seed % 2**64)
+            return
+        if self._pending_order is not None:  # resuming: the epoch restarts from its saved state
+            gen.set_state(self._pending_order)
+            self._pending_order = None
+        self._epoch_order = gen.get_state()
+        if plan.draws_seed:  # what a plain DataLoader draws first each epoch, from the same generator
+            torch.empty((), dtype=torch.int64).random_(generator=gen)
+
+    def join_with(self, joinables: list[Any]) -> None:
+        """Iterate inside ``torch.distributed.algorithms.join.Join(joinables)``: a rank that runs out
+        of batches first shadows the others' collectives (DDP's gradient all-reduce) until all are done."""
+        self._joinables = [weakref.ref(j) for j in joinables]
 
     def _iterate(self, batches: Iterator[Any], record: EpochRecord, n: int) -> Iterator[Any]:
         plan = self._plan
@@ -126,13 +157,20 @@ class PreparedDataLoader(DataLoader[Any]):
                     del active[i]
                     break
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where this loader stands in its epochs, for :meth:`load_state_dict`."""
         if self._running:
-            return {"epoch": self._epoch - 1, "base_seed": self._base_seed, "batches_yielded": self._yielded}
-        return {"epoch": self._epoch, "base_seed": self._base_seed, "batches_yielded": self._skip}
+            state: dict[str, Any] = {"epoch": self._epoch - 1, "base_seed": self._base_seed}
+            state["batches_yielded"], order = self._yielded, self._epoch_order
+        else:
+            state = {"epoch": self._epoch, "base_seed": self._base_seed, "batches_yielded": self._skip}
+            gen = self._plan.order_generator
+            order = self._pending_order if self._pending_order is not None else gen.get_state() if gen else None
+        if self._plan.follow and order is not None:
+            state["order_state"] = base64.b64encode(bytes(order.tolist())).decode()
+        return state
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state`` was taken: the next iteration resumes that epoch."""
         bad = [k for k in _STATE_KEYS if isinstance(state.get(k), bool) or not isinstance(state.get(k), int)]
         if bad:
@@ -140,8 +178,21 @@ class PreparedDataLoader(DataLoader[Any]):
                 f"PreparedDataLoader.load_state_dict: expected integers {', '.join(_STATE_KEYS)}, got {dict(state)!r}; "
                 f"pass what loader.state_dict() returned"
             )
+        order = state.get("order_state")
+        if order is not None and not isinstance(order, str):
+            raise ValueError(f"PreparedDataLoader.load_state_dict: order_state is {order!r}, expected base64 text")
         self._epoch, self._base_seed, self._skip = state["epoch"], state["base_seed"], state["batches_yielded"]
+        if order is not None:
+            raw = bytearray(base64.b64decode(order, validate=True))
+            self._pending_order = torch.frombuffer(raw, dtype=torch.uint8).clone()
         self._running = False
+
+
+def _joined(batches: Iterator[Any], joinables: list[Any]) -> Iterator[Any]:
+    from torch.distributed.algorithms.join import Join
+
+    with Join(joinables):
+        yield from batches
 
 
 def _mark_last(batches: Iterator[Any], record: EpochRecord) -> Iterator[Any]:

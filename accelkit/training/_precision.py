@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from .. import _state, _tree
 from .._options import PRECISIONS, suggest
 from ..errors import ConfigurationError
 
-__all__ = ["autocast", "autocast_forward", "precision"]
+__all__ = ["MixedPrecisionModule", "autocast", "precision"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -66,21 +65,69 @@ def _fp8_missing(device_type: str) -> str:
     return "accelkit does not convert models to fp8 yet; use 'bf16'"
 
 
-def autocast_forward(model: nn.Module, mode: str, device_type: str) -> None:
-    """Make ``model``'s forward run under ``mode``'s autocast and return fp32 outputs."""
-    # Preparing the module again (e.g. on each find_executable_batch_size retry) re-wraps
-    # its own forward, not the wrapper of last time.
-    forward = getattr(model.forward, "__accelkit_forward__", model.forward)
+class MixedPrecisionModule(nn.Module):
+    r"""A prepared model: its forward runs under autocast in ``mode`` and returns fp32 outputs.
 
-    @functools.wraps(forward)
-    def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
-        with autocast(mode, device_type):
-            outputs = forward(*args, **kwargs)
+    Everything else is the wrapped module's: attributes and methods (``model.config``,
+    DDP's ``model.no_sync()``, ``model.module``), indexing and iteration (``model[0]`` of a
+    ``Sequential``), ``state_dict()`` and ``load_state_dict()`` (the same keys as without the
+    wrapper). The user's own module is never changed, so
+    ``ak.unwrap`` returns it as it was, and the prepared model deep-copies, pickles and
+    ``torch.save``\ s like any module.
+
+    Example:
+        >>> import torch
+        >>> m = MixedPrecisionModule(torch.nn.Linear(2, 2), "bf16", "cpu")
+        >>> m(torch.ones(1, 2)).dtype, list(m.state_dict())
+        (torch.float32, ['weight', 'bias'])
+    """
+
+    def __init__(self, module: nn.Module, mode: str, device_type: str) -> None:
+        super().__init__()
+        autocast(mode, device_type)  # validates the mode
+        self.forward_module = module
+        self.mode = mode
+        self.device_type = device_type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with autocast(self.mode, self.device_type):
+            outputs = self.forward_module(*args, **kwargs)
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
         return _tree.apply_to_tensors(_to_fp32, outputs)
 
-    forward_in_precision.__accelkit_forward__ = forward  # type: ignore[attr-defined]
-    model.forward = forward_in_precision
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("forward_module")
+            if inner is None:  # still being built (or unpickled)
+                raise
+            return getattr(inner, name)
+
+    # Special methods are looked up on the type, not through __getattr__: Sequential, ModuleList, ModuleDict.
+    def __getitem__(self, key: Any) -> Any:
+        return self.forward_module[key]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self.forward_module)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.forward_module)  # type: ignore[call-overload,no-any-return]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.forward_module  # type: ignore[operator]
+
+    def __bool__(self) -> bool:
+        return True  # a module is truthy, whatever __len__ says (or cannot say)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self.forward_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}"
 
 
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from .. import _state
 from ..data import PreparedDataLoader, prepare_dataloader
 from ._optim import PreparedOptimizer, PreparedScheduler
-from ._precision import autocast_forward
+from ._precision import MixedPrecisionModule
 
 __all__ = ["prepare"]
 
@@ -19,7 +19,8 @@ Kind = Literal["model", "optimizer", "scheduler", "loader", "prepared"]
 _MODEL_OPTIONS = {
     "find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
 }  # fmt: skip
-_LOADER_OPTIONS = {"even_batches"}
+_LOADER_OPTIONS = {"even_batches", "split_batches", "data_seed"}
+_OPTIONS = {"join_uneven_inputs"}
 
 
 @overload
@@ -38,7 +39,14 @@ def prepare(*objects: Any, **options: Any) -> Any:
       param groups are pointed at the sharded parameters (same groups, same hyper-parameters),
       so build it before or after ``prepare``, as you like, but prepare it before it steps.
     - LR scheduler: steps once per real optimizer step.
-    - ``DataLoader``: this rank's shard, batches on the device (``even_batches=True``).
+    - ``DataLoader``: this rank's shard, batches on the device. Options: ``even_batches=True``
+      (every rank gets as many batches; the padding is dropped by ``ak.gather_for_metrics``),
+      ``split_batches=False`` (True: the loader's ``batch_size`` is the global batch, split between
+      the ranks), ``data_seed=None`` (a fixed seed for the shuffle order).
+    - ``join_uneven_inputs=True`` (with ``even_batches=False``, loaders whose ranks get different
+      numbers of batches): the loaders of this call iterate inside PyTorch's ``Join`` with the
+      DDP models of this call, so a rank that runs out of batches first shadows the others'
+      gradient all-reduces instead of leaving them waiting.
 
     With ``strategy="deepspeed"`` the model, its optimizer and scheduler go through one
     ``deepspeed.initialize`` instead (``pip install "accelkit[deepspeed]"``); the model
@@ -52,12 +60,15 @@ def prepare(*objects: Any, **options: Any) -> Any:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> model, opt = ak.prepare(model, opt)
     """
-    unknown = set(options) - _MODEL_OPTIONS - _LOADER_OPTIONS
+    unknown = set(options) - _MODEL_OPTIONS - _LOADER_OPTIONS - _OPTIONS
     if unknown:
-        valid = ", ".join(sorted(_MODEL_OPTIONS | _LOADER_OPTIONS))
+        valid = ", ".join(sorted(_MODEL_OPTIONS | _LOADER_OPTIONS | _OPTIONS))
         raise TypeError(f"accelkit.prepare() got an unexpected option {sorted(unknown)[0]!r}; valid options: {valid}")
     if not objects:
         raise TypeError("accelkit.prepare() needs at least one object: ak.prepare(model, optimizer, loader)")
+    join = options.get("join_uneven_inputs", False)
+    if not isinstance(join, bool):
+        raise TypeError(f"accelkit.prepare(join_uneven_inputs={join!r}): expected True or False")
     model_options = {k: v for k, v in options.items() if k in _MODEL_OPTIONS}
     loader_options = {k: v for k, v in options.items() if k in _LOADER_OPTIONS}
     st = _state.get()
@@ -70,9 +81,6 @@ def prepare(*objects: Any, **options: Any) -> Any:
     for i in slots["loader"]:
         prepared[i] = prepare_dataloader(objects[i], **loader_options)
     models = [objects[i] for i in slots["model"]]
-    if st.options.precision != "no":
-        for model in models:
-            autocast_forward(model, st.options.precision, st.device.type)
     batch_sizes = [objects[i].batch_size for i in slots["loader"] if objects[i].batch_size]
     strategy = _state.strategy()
     wrapped_models, optimizers, schedulers = strategy.setup(
@@ -82,7 +90,11 @@ def prepare(*objects: Any, **options: Any) -> Any:
         micro_batch_size=batch_sizes[0] if batch_sizes else None,
         model_options=model_options,
     )
+    if join:
+        _join(wrapped_models, [prepared[i] for i in slots["loader"]])
     for i, model in zip(slots["model"], wrapped_models, strict=True):
+        if st.options.precision != "no":  # outermost: DDP, FSDP and DeepSpeed see the user's module
+            model = MixedPrecisionModule(model, st.options.precision, st.device.type)
         training.models.add(model)
         prepared[i] = model
     if optimizers and st.options.precision == "fp16" and training.scaler is None:
@@ -93,6 +105,19 @@ def prepare(*objects: Any, **options: Any) -> Any:
     for i, scheduler in zip(slots["scheduler"], schedulers, strict=True):
         prepared[i] = PreparedScheduler(scheduler)
     return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+def _join(models: list[nn.Module], loaders: list[PreparedDataLoader]) -> None:
+    from torch.distributed.algorithms.join import Joinable
+
+    joinables = [m for m in models if isinstance(m, Joinable)]  # DDP; one process has nothing to join
+    if not loaders:
+        raise TypeError(
+            "accelkit.prepare(join_uneven_inputs=True) needs the DataLoaders in the same call: "
+            "ak.prepare(model, optimizer, loader, even_batches=False, join_uneven_inputs=True)"
+        )
+    for loader in loaders:
+        loader.join_with(joinables)
 
 
 def _classify(obj: Any, training: _state.TrainingState) -> Kind:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import _state
+from ._precision import MixedPrecisionModule
 
 __all__ = [
     "accumulate",
@@ -46,7 +47,9 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
 
     Gradients are synchronised across processes (and the prepared optimizer and scheduler
     really step) only on every ``steps``-th call and on the last batch of a prepared
-    dataloader. ``steps`` defaults to the configured ``gradient_accumulation_steps``.
+    dataloader. ``steps`` defaults to the configured ``gradient_accumulation_steps``. With the
+    ``sync_each_batch`` option the gradients are synchronised on every micro-step too (less
+    memory under FSDP, more communication); the optimizer still steps on the boundary only.
 
     Example:
         >>> import accelkit as ak, torch
@@ -55,8 +58,9 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
         ...     ak.sync_gradients()
         False
     """
+    options = _state.get().options
     if steps is None:
-        steps = _state.get().options.gradient_accumulation_steps
+        steps = options.gradient_accumulation_steps
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
     training = _state.training
@@ -70,7 +74,7 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
     training.accumulation_steps = steps
     try:
         with contextlib.ExitStack() as stack:
-            if not training.sync_gradients:
+            if not training.sync_gradients and not options.sync_each_batch:
                 for model in models:
                     stack.enter_context(no_sync(model))
             yield
@@ -94,6 +98,8 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         >>> with ak.no_sync(torch.nn.Linear(2, 1)):
         ...     pass
     """
+    if isinstance(model, MixedPrecisionModule):
+        model = model.forward_module
     return _state.strategy().no_sync(model)
 
 
@@ -175,8 +181,11 @@ def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_val
     torch.nn.utils.clip_grad_value_(params, clip_value)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module without DDP / FSDP / DeepSpeed / ``torch.compile`` wrappers.
+def unwrap(model: nn.Module, keep_precision: bool = False) -> nn.Module:
+    """The user's module, as it was, without the prepared wrappers (precision, DDP, DeepSpeed, ``torch.compile``).
+
+    With ``keep_precision=True`` (Accelerate's ``keep_fp32_wrapper``) the module comes back
+    still running its forward in the prepared precision, with fp32 outputs, when it had one.
 
     Example:
         >>> import accelkit as ak, torch
@@ -184,7 +193,22 @@ def unwrap(model: nn.Module) -> nn.Module:
         >>> ak.unwrap(ak.prepare(net)) is net
         True
     """
-    return _state.strategy().unwrap(model)
+    strategy = _state.strategy()
+    precision: MixedPrecisionModule | None = None
+    while True:
+        if isinstance(model, MixedPrecisionModule):
+            precision, model = model, model.forward_module
+        inner = strategy.unwrap(model)
+        if inner is model:
+            break
+        model = inner
+    if keep_precision and precision is not None:
+        return (
+            precision
+            if precision.forward_module is model
+            else MixedPrecisionModule(model, precision.mode, precision.device_type)
+        )
+    return model
 
 
 def _unscale_once() -> None:
