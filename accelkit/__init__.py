@@ -184,4 +184,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # The public names and the module's own dunders; not the helpers this module imports (Any, importlib, ...).
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))

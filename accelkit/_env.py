@@ -33,8 +33,10 @@ LOG_LEVEL = "ACCELKIT_LOG_LEVEL"
 CONFIG_FILE = "ACCELKIT_CONFIG_FILE"
 # The run directory where workers of `accelkit launch` record their failures.
 RUN_DIR = "ACCELKIT_RUN_DIR"
-# Option names `accelkit launch` received as flags (comma-separated): code must agree with them.
+# Option names the launcher received explicitly (`accelkit launch` flags, @ak.distributed / ak.launch
+# options; comma-separated): code in the workers must agree with them. LAUNCHED_BY names that launcher.
 LAUNCH_FLAGS = "ACCELKIT_LAUNCH_FLAGS"
+LAUNCHED_BY = "ACCELKIT_LAUNCHED_BY"
 
 OPTION_VARIABLES = {
     "precision": PRECISION,

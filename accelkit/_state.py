@@ -126,6 +126,7 @@ _generation = 0  # groups formed by this process (outlives reset_state: the next
 _origin = ""  # where the state was created, for error messages
 _owns_group = False  # whether accelkit created the process group (and so destroys it)
 _exit_hook_registered = False
+step_watch: Any = None  # the optimizer-step hook that warns of unprepared optimizers under ak.accumulate
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
 
 _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them

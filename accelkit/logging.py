@@ -79,7 +79,8 @@ def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAda
         >>> logger.info("on rank 0 only")
         >>> logger.info("on every rank, in turn", in_order=True)
     """
-    logger = logging.getLogger(name)
+    # A script's `get_logger(__name__)` in a spawned worker, where the script was imported as __mp_main__.
+    logger = logging.getLogger("__main__" if name == "__mp_main__" else name)
     level = log_level if log_level is not None else _env.read_str(_env.LOG_LEVEL)
     if level is not None:
         if isinstance(level, str):

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import signal
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from weights import load_weights
 
 import accelkit as ak
 from accelkit import _safe_io
@@ -332,8 +334,21 @@ def export(directory: str) -> str:
 def test_save_model_writes_unwrapped_weights_once(pool: WorkerPool, tmp_path: Path) -> None:
     paths = pool.run(export, str(tmp_path / "export"))
     assert paths[0] == paths[1] and os.listdir(tmp_path / "export") == [os.path.basename(paths[0])]
-    weights = torch.load(paths[0], weights_only=True)  # plain torch, no accelkit
+    assert paths[0].endswith("model.safetensors")  # preferred, as Accelerate does (the test extra installs it)
+    weights = load_weights(paths[0])  # plain safetensors, no accelkit
     assert sorted(weights) == ["bias", "weight"] and bool((weights["weight"] == 1.5).all())
+
+
+def test_save_model_without_safetensors_writes_a_bin_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # as if it were not installed
+    with pytest.warns(UserWarning, match=r"safetensors is not installed.*pytorch_model\.bin.*accelkit\[safetensors\]"):
+        path = ak.save_model(small_model(2.0), tmp_path)
+    assert path.name == "pytorch_model.bin" and bool((torch.load(path, weights_only=True)["weight"] == 2.0).all())
+    with pytest.raises(ImportError, match=r'pip install "accelkit\[safetensors\]"'):
+        ak.save_model(small_model(2.0), tmp_path, safe_serialization=True)
+    assert ak.save_model(small_model(3.0), tmp_path / "b", safe_serialization=False).name == "pytorch_model.bin"
 
 
 def test_fp16_scaler_and_plain_values_round_trip(tmp_path: Path) -> None:

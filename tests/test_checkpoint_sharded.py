@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from weights import load_weights
 
 import accelkit as ak
 from accelkit import _safe_io
@@ -132,7 +133,7 @@ def export(directory: str) -> tuple[str, dict[str, torch.Tensor]]:
 def test_save_model_gathers_the_full_weights_once(pool: WorkerPool, tmp_path: Path) -> None:
     (path, full), (path_1, _) = pool.run(export, str(tmp_path / "export"))
     assert path == path_1 and os.listdir(tmp_path / "export") == [os.path.basename(path)]
-    weights = torch.load(path, weights_only=True)  # plain torch, no accelkit
+    weights = load_weights(path)  # plain safetensors or torch, no accelkit
     assert sorted(weights) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert_equal(weights, full)
     plain_model().load_state_dict(weights)  # strict: it fits the unsharded model

@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +58,11 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = Non
         PosixPath('.../ckpt/step-10')
     """
     call = f"accelkit.save_state({os.fspath(directory)!r})"
+    if not objects:
+        raise TypeError(
+            f"{call}: nothing to save; name what to save, e.g. ak.save_state(directory, model=model, "
+            f"optimizer=optimizer, scheduler=scheduler, step=step) (accelkit does not save prepared objects by itself)"
+        )
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"{call}: keep_last={keep_last!r}; expected None or an integer >= 1, e.g. keep_last=3")
     states, sharded, values = _split(call, objects)
@@ -137,6 +143,14 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     st = _state.get()
     path = Path(directory)
     body, states, mine = _every_rank(call, "nothing was changed", lambda: _read(path, objects, st, strict))
+    left = sorted(set(body["objects"]) - set(objects))
+    if left and st.is_main_process:
+        names = ", ".join(left)
+        warnings.warn(
+            f"{call}: the checkpoint also holds {names}, which this call does not restore; pass "
+            f"{', '.join(f'{n}={n}' for n in left)} to restore it too",
+            stacklevel=2,
+        )
     sharded = [name for name in objects if name in body["sharded"]]
     for name in objects:
         if name not in sharded and _state.strategy().shards_state(_unwrapped(objects[name])):
@@ -168,12 +182,16 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     return dict(body["values"])
 
 
-def save_model(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
+def save_model(
+    model: nn.Module, directory: str | os.PathLike[str], *, safe_serialization: bool | None = None
+) -> Path:
     """Write the unwrapped ``model``'s weights to ``directory`` (on the main process only).
 
-    ``model.safetensors`` when safetensors is installed (``pip install safetensors``), else
-    ``pytorch_model.bin`` (``torch.save`` of the state dict); either loads with plain torch
-    or safetensors, into the unwrapped, unsharded model. Returns the file's path, on every
+    ``model.safetensors`` (as Accelerate writes by default) when safetensors is installed
+    (``pip install "accelkit[safetensors]"``); without it, ``pytorch_model.bin`` (``torch.save``
+    of the state dict, which ``torch.load(weights_only=True)`` reads) and a warning saying so.
+    ``safe_serialization=True`` insists on safetensors, ``False`` always writes the ``.bin``.
+    Either loads into the unwrapped, unsharded model. Returns the file's path, on every
     rank (no collective: other ranks should ``ak.wait_for_everyone()`` before reading it),
     except for a sharded model (``fully_shard``): every rank must call it then, to gather
     the full weights.
@@ -186,10 +204,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """
     from ..training import unwrap
 
-    try:  # optional: pip install safetensors
-        safetensors_torch: Any = importlib.import_module("safetensors.torch")
-    except ImportError:
-        safetensors_torch = None
+    safetensors_torch = _safetensors(safe_serialization)
     target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
     module = unwrap(model)
     full = _sharded.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
@@ -213,6 +228,26 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def _safetensors(wanted: bool | None) -> Any:
+    """``safetensors.torch`` when it is wanted and installed; None for the ``.bin`` fallback."""
+    if wanted is False:
+        return None
+    try:
+        return importlib.import_module("safetensors.torch")
+    except ImportError:
+        install = 'pip install "accelkit[safetensors]"'
+        if wanted:
+            raise ImportError(f"accelkit.save_model(safe_serialization=True) needs safetensors: {install}") from None
+        if _state.get().is_main_process:
+            warnings.warn(
+                f"accelkit.save_model: safetensors is not installed, so the weights go to pytorch_model.bin "
+                f"(torch.save; load it with torch.load(path, weights_only=True)); {install} for model.safetensors, "
+                f"or pass safe_serialization=False to say that the .bin is what you want",
+                stacklevel=3,
+            )
+        return None
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from .._version import __version__
 
@@ -37,12 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the subcommand's usage and the flag it probably meant, not only the top-level usage
+        _unrecognized(parser, args.command, unknown)
     if args.command is None:
         parser.print_help()
         return 0
     module = importlib.import_module(f".{COMMANDS[args.command][0]}", __name__)
     return int(module.run(args))
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> NoReturn:
+    from .._options import suggest
+
+    sub = _subparser(parser, command) or parser
+    known = [s for action in sub._actions for s in action.option_strings if action.help != argparse.SUPPRESS]
+    first = next((u.split("=")[0] for u in unknown if u.startswith("-")), unknown[0])
+    hint = suggest(first.replace("_", "-"), known)
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]  # type: ignore[no-any-return]
+    return None
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ._types import int_at_least
 _EPILOG = """\
 Each setting comes from its flag, else its ACCELKIT_* variable (options for the script),
 else the config file, else its default. Everything after the script goes to it unchanged.
+accelerate launch's spellings (--num_processes, --mixed_precision, ...) work too.
 
 examples:
   accelkit launch -n 2 train.py --lr 0.1        two processes on this machine
@@ -105,8 +106,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config-file", metavar="PATH", help="the config file to read (default: `accelkit config`'s)")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module, like `python -m`")
+    _accelerate_spellings(parser)
     parser.add_argument("target", metavar="script.py", help="the script to run (a module name with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="the script's own arguments")
+
+
+def _accelerate_spellings(parser: argparse.ArgumentParser) -> None:
+    """``accelerate launch``'s flag names, accepted as they are (hidden from --help)."""
+    hidden = argparse.SUPPRESS
+    for flag, dest, kind in (
+        ("--num_processes", "num_processes", int_at_least(1)),
+        ("--num_machines", "num_nodes", int_at_least(1)),
+        ("--machine_rank", "node_rank", int_at_least(0)),
+        ("--main_process_ip", "master_addr", str),
+        ("--main_process_port", "master_port", _port),
+        ("--gradient_accumulation_steps", "gradient_accumulation_steps", int_at_least(1)),
+        ("--max_restarts", "max_restarts", int_at_least(0)),
+        ("--config_file", "config_file", str),
+    ):
+        parser.add_argument(flag, dest=dest, type=kind, default=None, help=hidden)
+    parser.add_argument("--mixed_precision", dest="precision", choices=PRECISIONS, default=None, help=hidden)
+    parser.add_argument("--rdzv_backend", dest="rdzv_backend", choices=RDZV_BACKENDS, default=None, help=hidden)
+    parser.add_argument("--use_fsdp", dest="strategy", action="store_const", const="fsdp", default=None, help=hidden)
+    parser.add_argument(
+        "--use_deepspeed", dest="strategy", action="store_const", const="deepspeed", default=None, help=hidden
+    )
+    # Data parallelism over the visible GPUs is what accelkit launch does anyway.
+    parser.add_argument("--multi_gpu", dest="multi_gpu", action="store_true", help=hidden)
 
 
 def _port(text: str) -> int:

@@ -52,8 +52,9 @@ def gather(data: T) -> T:
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
-def reduce(data: T, op: ReduceOp = "mean") -> T:
-    """``data`` reduced element-wise across processes with ``op``.
+def reduce(data: T, op: ReduceOp = "sum") -> T:
+    """``data`` reduced element-wise across processes with ``op`` (the sum by default, as
+    Accelerate's ``reduce`` and ``torch.distributed.all_reduce``).
 
     Every rank must call it, with the same structure, dtypes and shapes and the same
     ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``. The result has

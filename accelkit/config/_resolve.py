@@ -85,11 +85,13 @@ def resolve(
 def _check_flag_conflicts(
     given: Mapping[str, object], from_env: Mapping[str, object], call: str, env: Mapping[str, str] | None
 ) -> None:
+    launcher = _env.read_str(_env.LAUNCHED_BY, env)
     for name in _env.launch_flags(env):
         if name in given and name in from_env and given[name] != from_env[name]:
             flag = "--" + name.replace("_", "-")
+            by = f"{launcher}({name}={from_env[name]!r})" if launcher else f"`accelkit launch {flag}`"
             raise ConfigurationError(
                 f"{name} is set twice with different values: {given[name]!r} in code ({call}({name}=...) "
-                f"at {_frames.call_site()}) and {from_env[name]!r} by `accelkit launch {flag}`. "
+                f"at {_frames.call_site()}) and {from_env[name]!r} by {by}. "
                 f"Remove one of them (the command line is the usual place for per-run settings)."
             )

@@ -26,7 +26,7 @@ from .._options import LaunchSettings
 from ._failures import collect_failures, record_failure
 from ._rendezvous import rendezvous_store
 from ._spec import Command, FunctionRef, Job
-from ._streams import flush_std_streams, whole_lines_to_notebook
+from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
 
 __all__ = ["check_picklable", "run_workers", "worker_main"]
 
@@ -61,13 +61,14 @@ def run_workers(
     run_dir = tempfile.mkdtemp(prefix="accelkit-run-")
     entrypoint: Any
     agent_args: list[Any]
-    worker_env: dict[str, str] = {}
+    # Workers inherit this process's environment as it is while the agent starts them.
+    worker_env: dict[str, str] = {_env.RUN_DIR: run_dir}  # where they record failures, even before their job runs
     if isinstance(target, Command):
-        # A program's workers inherit this process's environment (torch's SubprocessHandler).
         entrypoint, agent_args = sys.executable, list(target.argv)
-        worker_env = {**env, _env.RUN_DIR: run_dir, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        worker_env.update({**env, **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
     else:
-        entrypoint, agent_args = worker_main, [Job(target, args, kwargs, run_dir, env, threads, watchdog)]
+        setup = capture_logging() if start_method != "fork" else None  # a forked worker has it already
+        entrypoint, agent_args = worker_main, [Job(target, args, kwargs, run_dir, env, threads, watchdog, setup)]
     if start_method == "fork":
         flush_std_streams()  # or forked workers print what this process still buffers
     try:
@@ -112,6 +113,8 @@ def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
     os.environ.update(job.env)
     whole_lines_to_notebook()
+    if job.logging is not None:
+        apply_logging(job.logging)
     if job.threads:
         import torch
 

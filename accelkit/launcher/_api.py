@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast, overload
 
 import wrapt
 from typing_extensions import ParamSpec
 
-from .. import _env, _state
+from .. import _env, _frames, _state
 from .._options import CODE_LAUNCH_NAMES, LaunchOptions, Options, StartMethod, is_int, validate
 from ..config import resolve
 from ..errors import ConfigurationError
@@ -127,11 +129,11 @@ def _call(
     direct: Callable[..., R] | None = None,
 ) -> R:
     run = direct or fn
-    state_options = {k: v for k, v in given.items() if k in Options.names()}
     if _env.detect_launch().launcher != "none":  # a worker: the launcher started the processes
-        _state.init(**state_options)
-        return run(*args, **kwargs)
+        return run(*args, **kwargs)  # the options arrived as ACCELKIT_* variables, set by the launcher
     call = "accelkit.launch" if direct is None else "accelkit.distributed"
+    given = {**_parent_options(given, call), **given}
+    state_options = {k: v for k, v in given.items() if k in Options.names()}
     resolved = resolve(given, call=call)
     settings = resolved.launch
     if settings.num_processes is None:
@@ -139,13 +141,10 @@ def _call(
 
         settings = replace(settings, num_processes=local_device_count(resolved.options.cpu))
     if settings.num_processes == 1 and settings.num_nodes == 1:
-        _state.init(**state_options)
+        _state.configure(state_options, f"{call} at {_frames.call_site()}")
         return run(*args, **kwargs)
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            f"{_name(fn)} was called while a worker process was importing the main module; "
-            f"call it under `if __name__ == '__main__':` so that workers do not run it again"
-        )
+        _missing_main_guard(fn)
     settings = replace(settings, start_method=settings.start_method or _default_start_method())
     if settings.start_method == "fork":
         from ._notebook import refuse_unsafe_fork
@@ -154,20 +153,62 @@ def _call(
     if _state.is_initialized():
         # Workers build their own state; a live one here would be duplicated by fork.
         _state.reset_state()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from ._agent import run_workers  # only the launching process needs it
     from ._spec import FunctionRef
 
     target: Any = (
         FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _DistributedFunction) else fn
     )
-    env = _env.option_env(state_options)
+    # Options given here are explicit in every worker: an ak.init there that differs is an error naming both.
+    env = {**_env.option_env(state_options), _env.LAUNCH_FLAGS: ",".join(state_options), _env.LAUNCHED_BY: call}
     debug = resolved.options.debug  # ACCELKIT_DEBUG and the config file included
-    if debug:
-        from ._notebook import preflight_launch
+    try:
+        if debug:
+            from ._notebook import preflight_launch
 
-        preflight_launch(settings, env)
-    results = run_workers(target, args, kwargs, settings, env, quiet=not debug)
+            preflight_launch(settings, env)
+        results = run_workers(target, args, kwargs, settings, env, quiet=not debug)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C or kill: the agent stopped every worker
+        _interrupted(exc)
     return cast("R", results.get(0))
+
+
+def _parent_options(given: dict[str, Any], call: str) -> dict[str, Any]:
+    """Options ``ak.init`` set in this process before the launch: they reach the workers too."""
+    parent = _state.explicit_options()
+    for name, value in parent.items():
+        if name in given and given[name] != value:
+            raise ConfigurationError(
+                f"{call}({name}={given[name]!r}), but {name}={value!r} was set earlier in this process "
+                f"({_state.get().origins.get(name, 'by a launcher flag')}); pass it in one place only"
+            )
+    return parent
+
+
+def _missing_main_guard(fn: Any) -> NoReturn:
+    """A spawned worker re-ran the script's unguarded launch while importing it: say so, in the summary too."""
+    exc = RuntimeError(
+        f"{_name(fn)} was called while a worker process was importing the main module; "
+        f"call it under `if __name__ == '__main__':` so that workers do not run it again"
+    )
+    run_dir = os.environ.get(_env.RUN_DIR)
+    if run_dir:
+        from ._failures import record_failure
+
+        record_failure(run_dir, exc)
+    raise exc
+
+
+def _interrupted(exc: BaseException) -> NoReturn:
+    """Interrupted (Ctrl-C, SIGTERM): end like ``accelkit launch`` does, not with the agent's traceback."""
+    code = 128 + int(getattr(exc, "sigval", signal.SIGINT))
+    print(f"accelkit: interrupted ({signal.Signals(code - 128).name}); every worker was stopped", file=sys.stderr)
+    main = sys.modules.get("__main__")
+    if not getattr(main, "__file__", None):  # a notebook or a REPL: the interrupt reaches the cell
+        raise KeyboardInterrupt from None
+    raise SystemExit(code) from None
 
 
 def _check_options(options: dict[str, Any], call: str) -> dict[str, Any]:

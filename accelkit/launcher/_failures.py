@@ -25,7 +25,9 @@ def record_failure(run_dir: str, exc: BaseException, text: str | None = None) ->
         where = _env.detect_launch()  # torchrun's variables, or mpirun's
     except ConfigurationError:
         where = _env.LaunchEnv("none")
-    rank = where.rank
+    # Before the agent's variables are set (a spawned worker still importing the main module) the rank
+    # is unknown: the report is then matched to its rank by pid.
+    rank = where.rank if where.launcher != "none" else None
     folder = os.path.join(run_dir, "failures", f"attempt{where.restart_count}")
     os.makedirs(folder, exist_ok=True)
     report = {
@@ -37,7 +39,8 @@ def record_failure(run_dir: str, exc: BaseException, text: str | None = None) ->
         "traceback": text if text is not None else _frames.user_traceback(exc),
         "timestamp": time.time(),
     }
-    _safe_io.write_atomic(Path(folder) / f"rank{rank}.json", json.dumps(report).encode())
+    name = f"rank{rank}.json" if rank is not None else f"pid{os.getpid()}.json"
+    _safe_io.write_atomic(Path(folder) / name, json.dumps(report).encode())
 
 
 def exception_name(exc: BaseException) -> str:
@@ -48,6 +51,7 @@ def exception_name(exc: BaseException) -> str:
 def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerError:
     """Merge the workers' own reports with what the agent saw (exit codes, signals)."""
     reports: dict[int, dict[str, Any]] = {}
+    by_pid: dict[int, dict[str, Any]] = {}
     root = os.path.join(run_dir, "failures")
     attempts = sorted(os.listdir(root), key=lambda a: int(a[7:])) if os.path.isdir(root) else []
     if attempts:
@@ -56,7 +60,13 @@ def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerErro
             if name.endswith(".json"):
                 with open(os.path.join(last, name)) as f:
                     report = json.load(f)
-                reports[report["rank"]] = report
+                if report["rank"] is None:
+                    by_pid[report["pid"]] = report
+                else:
+                    reports[report["rank"]] = report
+    for rank, seen in agent_failures.items():
+        if rank not in reports and getattr(seen, "pid", None) in by_pid:
+            reports[rank] = {**by_pid[seen.pid], "rank": rank}
     failures = []
     for rank in sorted(set(reports) | set(agent_failures)):
         seen = agent_failures.get(rank)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Command", "FunctionRef", "Job"]
+__all__ = ["Command", "FunctionRef", "HandlerSetup", "Job", "LoggingSetup"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,25 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     watchdog: float | None = None
+    logging: LoggingSetup | None = None  # the launching process's logging, for spawned workers
+
+
+@dataclass(frozen=True)
+class HandlerSetup:
+    """One handler of the root logger: where it writes, its level and format."""
+
+    stream: str  # "stderr", "stdout", or "file"
+    filename: str | None
+    level: int
+    fmt: str | None
+    datefmt: str | None
+    style: str
+
+
+@dataclass(frozen=True)
+class LoggingSetup:
+    """What ``logging.basicConfig(...)`` and ``setLevel`` did in the launching process, to do again in a worker."""
+
+    root_level: int
+    handlers: tuple[HandlerSetup, ...]
+    levels: dict[str, int]  # named loggers with a level of their own

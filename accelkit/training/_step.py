@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.optim.optimizer as optimizer_module
 from torch import nn
 
-from .. import _state
+from .. import _frames, _state
 from ._precision import MixedPrecisionModule
 
 __all__ = [
@@ -64,6 +66,8 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
     training = _state.training
+    if steps > 1 and _state.step_watch is None:
+        _state.step_watch = optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
     training.micro_step += 1
     loaders = training.active_loaders
     at_end = bool(loaders) and loaders[-1].at_last_batch
@@ -82,9 +86,55 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
         training.accumulation_steps = outer
 
 
-def sync_gradients() -> bool:
-    """Whether this step synchronises gradients (False on accumulation micro-steps)."""
-    return _state.training.sync_gradients
+def _warn_unprepared_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Any optimizer stepping on an accumulation micro-step was not prepared (a prepared one skips it)."""
+    training = _state.training
+    if training.sync_gradients or training.accumulation_steps == 1:
+        return
+    frame = _frames.user_frame(skip=(optimizer_module.__file__,))
+    warnings.warn_explicit(
+        f"{type(optimizer).__name__}.step() ran on a gradient-accumulation micro-step of ak.accumulate: this "
+        f"optimizer was not prepared, so it steps on every micro-step with 1/{training.accumulation_steps} of "
+        f"the loss. Prepare it: model, optimizer = ak.prepare(model, optimizer)",
+        UserWarning,
+        frame.f_code.co_filename if frame else "<unknown>",
+        frame.f_lineno if frame else 0,
+        registry=frame.f_globals.setdefault("__warningregistry__", {}) if frame else None,  # once per line
+    )
+
+
+class _SyncGradients:
+    """``ak.sync_gradients()``: whether this step synchronises gradients (False on accumulation micro-steps).
+
+    A function, unlike Accelerate's ``accelerator.sync_gradients`` property: ``if ak.sync_gradients:``
+    (without the call) would always be true, so it raises a ``TypeError`` saying to call it.
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.sync_gradients()
+        True
+    """
+
+    __name__ = __qualname__ = "sync_gradients"
+    __module__ = "accelkit"
+
+    def __call__(self) -> bool:
+        return _state.training.sync_gradients
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "ak.sync_gradients is a function: call it, `if ak.sync_gradients():` (it is a property of "
+            "Accelerate's Accelerator, so `if accelerator.sync_gradients:` ports to `if ak.sync_gradients():`)"
+        )
+
+    def __repr__(self) -> str:
+        return "<function accelkit.sync_gradients>"
+
+    def __reduce__(self) -> str:
+        return "sync_gradients"  # pickled by name, as a function is: accelkit.sync_gradients
+
+
+sync_gradients = _SyncGradients()
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:

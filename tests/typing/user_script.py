@@ -38,7 +38,8 @@ def train(epochs: int = 3) -> float:
     ak.save_state("ckpt", model=model, optimizer=optimizer, step=epochs)
     values = ak.load_state("ckpt", model=model, optimizer=optimizer)
     assert_type(values, dict[str, Any])
-    ak.save_model(ak.unwrap(model), "export")
+    ak.save_model(ak.unwrap(model), "export", safe_serialization=True)
+    assert_type(ak.unwrap(model, keep_precision=True), nn.Module)
     return float(ak.reduce(loss, op="mean").item())
 
 
@@ -98,7 +99,7 @@ def only_one() -> int:
 
 
 def everything_else() -> None:
-    state = ak.init(precision="bf16", gradient_accumulation_steps=2, cpu=True, num_processes=1)
+    state = ak.init(precision="bf16", gradient_accumulation_steps=2, sync_each_batch=True, cpu=True, num_processes=1)
     assert_type(state, ak.ProcessState)
     assert_type(train(3), float)
     assert_type(plain(), int)
