@@ -182,9 +182,7 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     return dict(body["values"])
 
 
-def save_model(
-    model: nn.Module, directory: str | os.PathLike[str], *, safe_serialization: bool | None = None
-) -> Path:
+def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_serialization: bool | None = None) -> Path:
     """Write the unwrapped ``model``'s weights to ``directory`` (on the main process only).
 
     ``model.safetensors`` (as Accelerate writes by default) when safetensors is installed
