@@ -221,7 +221,8 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
             if item is None:
                 break
             task, fn, args, kwargs = item
-            _state.new_training()  # each task starts training afresh
+            _state.new_training()  # each task starts training afresh, without the last one's trackers
+            _state.end_trackers(failed=False)
             try:
                 answer = pickle.dumps((task, True, fn(*args, **kwargs)))
             except BaseException as exc:
