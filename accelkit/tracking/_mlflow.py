@@ -1,8 +1,9 @@
 """The ``"mlflow"`` tracker: an MLflow run (``pip install "accelkit[mlflow]"``).
 
 Without ``MLFLOW_TRACKING_URI`` (or ``init_kwargs={"mlflow": {"tracking_uri": ...}}``) the run
-goes to a file store in the run's directory (``mlruns/``; ``mlflow ui --backend-store-uri
-runs/<project>/mlruns`` shows it). The experiment is named after the project; the config
+goes to MLflow's default store, an SQLite file, in the run's directory (``mlflow ui
+--backend-store-uri sqlite:///runs/<project>/mlflow.db`` shows it); a file store works too
+(``tracking_uri="file:///..."``, with ``MLFLOW_ALLOW_FILE_STORE=true`` on MLflow 3). The experiment is named after the project; the config
 becomes the run's params. Other ``init_kwargs`` go to ``mlflow.start_run``.
 """
 
@@ -54,7 +55,8 @@ def start(directory: Path, project: str, config: Mapping[str, Any], options: dic
     from mlflow.entities import Param  # type: ignore[import-not-found,unused-ignore]
 
     uri = options.pop("tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri or (directory / "mlruns").resolve().as_uri())
+    # MLflow's own default store (an SQLite file; its file store is refused since 3.x), in the run's folder.
+    mlflow.set_tracking_uri(uri or f"sqlite:///{(directory / 'mlflow.db').resolve()}")
     mlflow.set_experiment(options.pop("experiment_name", project))
     run = mlflow.start_run(**options)
     client = mlflow.MlflowClient()
