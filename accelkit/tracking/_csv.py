@@ -28,7 +28,7 @@ class CsvTracker:
         if path.is_file() and path.stat().st_size:
             with path.open(newline="", encoding="utf-8") as f:
                 self.columns = next(csv.reader(f), []) or self.columns
-        self._file: IO[str] = path.open("a", newline="", encoding="utf-8")
+        self._open()
         if self.columns == ["step"] and not path.stat().st_size:
             self._write([self.columns])
 
@@ -38,7 +38,7 @@ class CsvTracker:
         return self.path
 
     def log(self, values: Mapping[str, float], step: int) -> None:
-        new = [name for name in values if name not in self.columns]
+        new = [name for name in values if name not in self._known]
         if new:
             self._widen(new)
         self._write([[step, *(values.get(c, "") for c in self.columns[1:])]])
@@ -46,8 +46,13 @@ class CsvTracker:
     def finish(self, failed: bool) -> None:
         self._file.close()
 
+    def _open(self) -> None:
+        self._file: IO[str] = self.path.open("a", newline="", encoding="utf-8")
+        self._rows = csv.writer(self._file)
+        self._known = set(self.columns)
+
     def _write(self, rows: list[list[Any]]) -> None:
-        csv.writer(self._file).writerows(rows)
+        self._rows.writerows(rows)
         self._file.flush()  # in the OS's hands: a worker killed next still leaves the row on disk
 
     def _widen(self, new: list[str]) -> None:
@@ -58,7 +63,7 @@ class CsvTracker:
         text = io.StringIO(newline="")
         csv.writer(text).writerows([self.columns, *(row + [""] * (len(self.columns) - len(row)) for row in rows)])
         _safe_io.write_atomic(self.path, text.getvalue().encode("utf-8"))
-        self._file = self.path.open("a", newline="", encoding="utf-8")
+        self._open()
 
 
 def start(directory: Path, project: str, config: Mapping[str, Any], options: dict[str, Any]) -> CsvTracker:

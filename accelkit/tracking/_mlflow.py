@@ -3,8 +3,8 @@
 Without ``MLFLOW_TRACKING_URI`` (or ``init_kwargs={"mlflow": {"tracking_uri": ...}}``) the run
 goes to MLflow's default store, an SQLite file, in the run's directory (``mlflow ui
 --backend-store-uri sqlite:///runs/<project>/mlflow.db`` shows it); a file store works too
-(``tracking_uri="file:///..."``, with ``MLFLOW_ALLOW_FILE_STORE=true`` on MLflow 3). The experiment is named after the project; the config
-becomes the run's params. Other ``init_kwargs`` go to ``mlflow.start_run``.
+(``tracking_uri="file:///..."``, with ``MLFLOW_ALLOW_FILE_STORE=true`` on MLflow 3). The experiment
+is named after the project; the config becomes the run's params. Other ``init_kwargs`` go to ``mlflow.start_run``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def scalars(values: object, call: str = "accelkit.log") -> dict[str, float | int
         >>> scalars({"loss": torch.tensor(0.5), "eval": {"acc": 1}})
         {'loss': 0.5, 'eval/acc': 1}
     """
-    if not isinstance(values, Mapping):
+    if type(values) is not dict and not isinstance(values, Mapping):
         raise TypeError(
             f"{call}(values={values!r:.80}): expected a dict of numbers, e.g. {call}({{'loss': loss}}, step=step)"
         )
@@ -43,7 +43,13 @@ def _flatten(values: Mapping[Any, Any], prefix: str, out: dict[str, float | int]
         name = prefix + key
         if name == _RESERVED:
             raise ValueError(f"{call}: {name!r} is the step of every row; pass it as {call}(values, step=...)")
-        if isinstance(value, Mapping):
+        kind = type(value)
+        if kind is float or kind is int:  # the common case first: ABC checks cost a few µs per call
+            out[name] = value
+        elif kind is torch.Tensor and value.numel() == 1 and not value.is_complex():
+            number = value.item()  # a device sync on a GPU: only the main process gets here
+            out[name] = int(number) if isinstance(number, (bool, int)) else float(number)
+        elif kind is dict or isinstance(value, Mapping):
             _flatten(value, name + "/", out, call)
         elif isinstance(value, bool):
             out[name] = int(value)
