@@ -8,7 +8,6 @@ what is installed without importing any tracker.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -71,6 +70,8 @@ def installed_versions() -> dict[str, str | None]:
         >>> installed_versions()["csv"]
         'built in'
     """
+    import importlib.metadata  # a few ms of imports: only for `accelkit env`
+
     out: dict[str, str | None] = {}
     for name, kind in KINDS.items():
         if kind.package is None:
