@@ -246,3 +246,23 @@ def test_accelkit_env_lists_the_trackers(capsys: pytest.CaptureFixture[str]) -> 
     assert ('- wandb: not installed (pip install "accelkit[wandb]")' in section) == (
         __import__("importlib").util.find_spec("wandb") is None
     )
+
+
+def test_progress_without_tqdm_loops_plainly_and_says_how_to_get_a_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("tqdm", "tqdm.auto", "tqdm.std"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import tqdm` now raises ImportError
+    with pytest.warns(UserWarning, match="pip install tqdm"):
+        bar = ak.progress(range(3), desc="no bar")
+    bar.set_postfix(loss=0.5)
+    assert list(bar) == [0, 1, 2]
+
+
+def test_progress_takes_its_total_from_len(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tqdm = pytest.importorskip("tqdm")
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread left behind
+    bar = ak.progress(iter(range(5)), desc="no len", file=sys.stdout, mininterval=0)
+    assert sum(bar) == 10 and bar.total is None  # type: ignore[attr-defined]
+    bar = ak.progress(range(5), desc="with len", file=sys.stdout, mininterval=0)
+    assert sum(bar) == 10 and bar.total == 5  # type: ignore[attr-defined]
+    bar.close()
+    assert "with len: 100%" in capsys.readouterr().out
