@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         world_size,
     )
     from .split import split_between_processes
+    from .tracking import end_training, get_tracker, init_trackers, log, progress
     from .training import (
         accumulate,
         backward,
@@ -113,6 +114,11 @@ _HOMES: dict[str, str] = {
     "sync_gradients": ".training",
     "unwrap": ".training",
     "write_basic_config": ".config",
+    "end_training": ".tracking",
+    "get_tracker": ".tracking",
+    "init_trackers": ".tracking",
+    "log": ".tracking",
+    "progress": ".tracking",
 }
 
 __all__ = [
@@ -132,13 +138,16 @@ __all__ = [
     "clip_grad_value_",
     "device",
     "distributed",
+    "end_training",
     "find_executable_batch_size",
     "free_memory",
     "gather",
     "gather_for_metrics",
     "gather_object",
     "get_logger",
+    "get_tracker",
     "init",
+    "init_trackers",
     "is_initialized",
     "is_local_main_process",
     "is_main_process",
@@ -147,6 +156,7 @@ __all__ = [
     "load_state",
     "local_main_process_first",
     "local_rank",
+    "log",
     "main_process_first",
     "no_sync",
     "on_local_main_process",
@@ -156,6 +166,7 @@ __all__ = [
     "precision",
     "prepare",
     "print",
+    "progress",
     "rank",
     "reduce",
     "reset_state",

@@ -28,6 +28,8 @@ FSDP_MIN_PARAMS = "ACCELKIT_FSDP_MIN_PARAMS"
 FSDP_RESHARD_AFTER_FORWARD = "ACCELKIT_FSDP_RESHARD_AFTER_FORWARD"
 FSDP_CPU_OFFLOAD = "ACCELKIT_FSDP_CPU_OFFLOAD"
 DEEPSPEED_CONFIG = "ACCELKIT_DEEPSPEED_CONFIG"
+LOG_WITH = "ACCELKIT_LOG_WITH"  # trackers for ak.init_trackers, comma-separated
+PROJECT_DIR = "ACCELKIT_PROJECT_DIR"  # where ak.init_trackers writes (default ./runs)
 LOG_LEVEL = "ACCELKIT_LOG_LEVEL"
 # The config file to read (``accelkit config`` writes it); an empty value means none.
 CONFIG_FILE = "ACCELKIT_CONFIG_FILE"
@@ -52,6 +54,8 @@ OPTION_VARIABLES = {
     "fsdp_reshard_after_forward": FSDP_RESHARD_AFTER_FORWARD,
     "fsdp_cpu_offload": FSDP_CPU_OFFLOAD,
     "deepspeed_config": DEEPSPEED_CONFIG,
+    "log_with": LOG_WITH,
+    "project_dir": PROJECT_DIR,
 }
 
 _TRUE = {"1", "true", "yes", "on"}

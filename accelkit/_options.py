@@ -30,17 +30,19 @@ DistBackend = Literal["gloo", "nccl", "xccl", "mpi"]
 StrategyName = Literal["ddp", "fsdp", "deepspeed"]
 RdzvBackend = Literal["static", "c10d"]
 StartMethod = Literal["spawn", "fork", "forkserver"]
+TrackerName = Literal["tensorboard", "csv", "jsonl", "wandb", "mlflow"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 DIST_BACKENDS: tuple[str, ...] = get_args(DistBackend)
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackend)
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
 DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before the job fails
 DEFAULT_RDZV_TIMEOUT = 300.0  # seconds the nodes of a job wait for each other
 
 
 @dataclass(frozen=True)
 class Options:
-    """Options of the process state (precision, accumulation, debug, device, timeouts, sharding)."""
+    """Options of the process state (precision, accumulation, debug, device, timeouts, sharding, tracking)."""
 
     precision: Precision = "no"
     gradient_accumulation_steps: int = 1
@@ -56,6 +58,9 @@ class Options:
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     deepspeed_config: str | None = None  # a JSON file path, or JSON text
+    # Experiment tracking (ak.init_trackers): the trackers to start ("all": every installed one), and where.
+    log_with: tuple[str, ...] = ()
+    project_dir: str = "runs"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -105,6 +110,8 @@ class StateOptions(TypedDict, total=False):
     fsdp_reshard_after_forward: bool | None
     fsdp_cpu_offload: bool | None
     deepspeed_config: str | os.PathLike[str] | Mapping[str, Any] | None
+    log_with: TrackerName | Literal["all"] | str | Sequence[str] | None
+    project_dir: str | os.PathLike[str] | None
 
 
 class InitOptions(StateOptions, total=False):
@@ -281,6 +288,23 @@ def _deepspeed_config(name: str, value: object, call: str) -> object:
     return os.fspath(value)
 
 
+def _log_with(name: str, value: object, call: str) -> object:
+    items = value.split(",") if isinstance(value, str) else value
+    valid = (*TRACKERS, "all")
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise _bad(
+            call, name, value, "tracker names", f"e.g. {name}=['tensorboard', 'csv'] or {name}='tensorboard,csv'"
+        )
+    names: list[str] = []
+    for item in (i.strip().lower() for i in items if i.strip()):  # "" (e.g. ACCELKIT_LOG_WITH=): none
+        if item not in valid:
+            expected = f"tracker names among {', '.join(map(repr, valid))}"
+            raise _bad(call, name, value, expected, f"{item!r} is not one of them" + suggest(item, valid))
+        if item not in names:
+            names.append(item)
+    return tuple(names)
+
+
 def _gpu_ids(name: str, value: object, call: str) -> object:
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     text = ",".join(str(i).strip() for i in items)
@@ -298,6 +322,8 @@ _RULES: dict[str, Callable[[str, object, str], object]] = {
     "start_method": _start_method,
     "master_addr": _text,
     "hostfile": _text,
+    "project_dir": _text,
+    "log_with": _log_with,
     "fsdp_wrap": _fsdp_wrap,
     "deepspeed_config": _deepspeed_config,
     "gpu_ids": _gpu_ids,

@@ -2,6 +2,9 @@
 
 Built lazily on first use, guarded by a lock, forgotten by :func:`reset_state` or when the
 process id changes (a forked child never reuses its parent's state or process group).
+
+It is longer than 400 lines because every process-global lives here by design: the state, the
+training state, the group's keys and the running experiment trackers, each reset together.
 """
 
 from __future__ import annotations
@@ -118,15 +121,36 @@ class GroupState:
     previous_agreement: str = ""
 
 
+@dataclass
+class TrackingState:
+    """The experiment trackers of this process (``ak.init_trackers``); ended with the process state.
+
+    - ``started``: ``ak.init_trackers`` was called (on any rank); ``is_main``: this process writes.
+    - ``trackers``: name -> running tracker, on the main process only. Each has ``log(values, step)``,
+      ``finish(failed)`` and ``writer``; :func:`end_trackers` finishes them.
+    - ``directory``: the run's folder (``project_dir/project_name``); ``step``: the last step logged.
+    - ``pid``: the process that started them; a forked child never writes to its parent's files.
+    """
+
+    started: bool = False
+    is_main: bool = False
+    trackers: dict[str, Any] = field(default_factory=dict)
+    directory: str = ""
+    step: int = -1
+    pid: int = field(default_factory=os.getpid)
+
+
 _lock = threading.RLock()
 _state: ProcessState | None = None
 training = TrainingState()
 group = GroupState()
+tracking = TrackingState()
 _generation = 0  # groups formed by this process (outlives reset_state: the next one gets a new prefix)
 _origin = ""  # where the state was created, for error messages
 _owns_group = False  # whether accelkit created the process group (and so destroys it)
 _exit_hook_registered = False
 step_watch: Any = None  # the optimizer-step hook that warns of unprepared optimizers under ak.accumulate
+_tracker_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
 
 _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them
@@ -262,10 +286,12 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
 def reset_state() -> None:
     """Destroy the process group accelkit created and forget the state.
 
-    A group the user created before accelkit adopted it is left to the user.
+    Running experiment trackers are flushed and closed first. A group the user created before
+    accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
     with _lock:
+        end_trackers(failed=False)
         if _current() is not None and _owns_group:
             _group.destroy()
         _state, _owns_group, breakpoint_requested = None, False, False
@@ -277,6 +303,7 @@ def new_task() -> None:
     forget the training objects and the options set in code; keep the group and the device."""
     global training, _state
     with _lock:
+        end_trackers(failed=False)
         training = TrainingState()
         st = _current()
         if st is not None and st.origins:
@@ -292,12 +319,67 @@ def new_task() -> None:
             )
 
 
+def start_tracking(is_main: bool, trackers: dict[str, Any], directory: str) -> TrackingState:
+    """Record the trackers ``ak.init_trackers`` started (after ending any still running)."""
+    global tracking, _tracker_hook_registered
+    with _lock:
+        end_trackers(failed=False)
+        tracking = TrackingState(started=True, is_main=is_main, trackers=dict(trackers), directory=directory)
+        if trackers and not _tracker_hook_registered:
+            # Trackers write from buffers and threads of their own: end them before the interpreter goes.
+            atexit.register(_end_trackers_at_exit)
+            _tracker_hook_registered = True
+        return tracking
+
+
+def current_tracking() -> TrackingState:
+    """This process's trackers (a forked child starts with none: its parent's files are not its own)."""
+    global tracking
+    if tracking.pid != os.getpid():
+        tracking = TrackingState()
+    return tracking
+
+
+def end_trackers(failed: bool) -> list[tuple[str, BaseException]]:
+    """Flush and close every running tracker, each even when another fails; what failed, by name.
+
+    ``failed`` tells the trackers that keep a run status (W&B, MLflow) that the job failed.
+    """
+    global tracking
+    with _lock:
+        running = current_tracking().trackers
+        tracking = TrackingState()
+    errors: list[tuple[str, BaseException]] = []
+    for name, tracker in running.items():
+        try:
+            tracker.finish(failed)
+        except Exception as exc:  # one tracker's failure must not keep the others' data from the disk
+            errors.append((name, exc))
+    return errors
+
+
+def _end_trackers_at_exit() -> None:
+    import sys
+
+    # Python keeps an uncaught exception in sys.last_value before the atexit hooks run.
+    errors = end_trackers(failed=getattr(sys, "last_value", None) is not None)
+    for name, exc in errors:
+        print(f"accelkit: could not close the {name} tracker at exit: {exc!r}", file=sys.stderr)
+
+
+def peek() -> ProcessState | None:
+    """The current state, or None when there is none yet (nothing is created by asking)."""
+    st = _state
+    return st if st is not None and st.pid == os.getpid() else None
+
+
 def _current() -> ProcessState | None:
     global _state, _owns_group, training, group, _generation
     if _state is not None and _state.pid != os.getpid():
         # Forked child: the parent's group and device are not ours to use or destroy.
         _state, _owns_group, _generation = None, False, 0
         training, group = TrainingState(), GroupState()
+        current_tracking()  # the parent's trackers are forgotten, not closed
     return _state
 
 

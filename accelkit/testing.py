@@ -221,7 +221,7 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
             if item is None:
                 break
             task, fn, args, kwargs = item
-            _state.new_task()  # each task starts afresh: no training objects, no options from earlier tasks
+            _state.new_task()  # each task starts afresh: no training objects, no options or trackers from earlier tasks
             try:
                 answer = pickle.dumps((task, True, fn(*args, **kwargs)))
             except BaseException as exc:

@@ -1,9 +1,12 @@
 """Train a small CNN on scikit-learn's digits (8x8 images, 10 classes) with accelkit.
 
     python examples/digits.py --num-processes 2 --epochs 10
+    tensorboard --logdir runs          # the curves: loss, learning rate, test accuracy
 
 The same script runs on one process, on several CPU processes or GPUs, and under torchrun.
-The data set ships with scikit-learn: nothing is downloaded.
+The data set ships with scikit-learn: nothing is downloaded. Rank 0 logs the training loss and
+learning rate every step and the test accuracy every epoch to TensorBoard and a CSV file under
+runs/digits/ (or to the trackers chosen by --log-with, `accelkit launch --log-with`, ...).
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ def digits(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(x[order[cut:]], y[order[cut:]])
 
 
-def train(epochs: int = 10, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> float:
+def train(
+    epochs: int = 10, batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log_with: str | None = None
+) -> float:
     """Train and evaluate; returns the final test accuracy (the same on every rank)."""
-    from tqdm import tqdm
-
     logger = ak.get_logger("digits", log_level="INFO")
     ak.set_seed(seed)
     with ak.main_process_first():
@@ -60,17 +63,24 @@ def train(epochs: int = 10, batch_size: int = 32, lr: float = 3e-3, seed: int = 
     model, optimizer, train_loader, test_loader = ak.prepare(model, optimizer, train_loader, test_loader)
     # Size the schedule from the prepared loader: it steps once per real optimizer step.
     scheduler = ak.prepare(torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=epochs * len(train_loader)))
-    accuracy = 0.0
+    # Trackers: --log-with, else the configured ones (`accelkit launch --log-with`, ACCELKIT_LOG_WITH), else these.
+    trackers = log_with or ak.state().options.log_with or ("tensorboard", "csv")
+    hparams = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "seed": seed, "processes": ak.world_size()}
+    ak.init_trackers("digits", hparams, log_with=trackers)  # rank 0 writes; closed by ak.end_training()
+    accuracy, step = 0.0, 0
     for epoch in range(1, epochs + 1):
         model.train()
-        bar = tqdm(train_loader, desc=f"epoch {epoch}", disable=not ak.is_main_process(), leave=False)
+        bar = ak.progress(train_loader, desc=f"epoch {epoch}", leave=False)  # drawn once per machine
         for images, labels in bar:
             loss = F.cross_entropy(model(images), labels)
             ak.backward(loss)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            step += 1
+            ak.log({"train/loss": loss, "train/lr": scheduler.get_last_lr()[0]}, step=step)  # other ranks: no-op
+            if ak.is_local_main_process():
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # redrawn at tqdm's own pace
         model.eval()
         correct = total = 0
         with torch.no_grad():
@@ -79,7 +89,9 @@ def train(epochs: int = 10, batch_size: int = 32, lr: float = 3e-3, seed: int = 
                 correct += int((predictions == labels).sum())
                 total += len(labels)
         accuracy = correct / total
+        ak.log({"eval/accuracy": accuracy, "epoch": epoch}, step=step)
         logger.info("epoch %d: last loss %.3f, test accuracy %.3f on %d samples", epoch, loss.item(), accuracy, total)
+    ak.end_training()
     return accuracy
 
 
@@ -90,12 +102,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--precision", choices=["no", "fp16", "bf16"], default=None, help="default: the config's")
+    parser.add_argument("--log-with", default=None, help="trackers, e.g. tensorboard,csv (the default) or jsonl")
+    parser.add_argument("--project-dir", default=None, help="where the trackers write (default: runs)")
     args = parser.parse_args()
     accuracy = ak.launch(
         train,
-        (args.epochs, args.batch_size, args.lr),
+        (args.epochs, args.batch_size, args.lr, 0, args.log_with),
         num_processes=args.num_processes,
         precision=args.precision,
+        project_dir=args.project_dir,
     )
     ak.print(f"test accuracy: {accuracy:.3f}")  # once, also under `accelkit launch`
 

@@ -371,7 +371,7 @@ def test_errors_say_what_and_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"seen=set .*not JSON-able.*convert it"):
         ak.save_state(tmp_path / "a", seen={1, 2})
     with pytest.raises(ValueError, match=r"keep_last=0.*integer >= 1"):
-        ak.save_state(tmp_path / "a", keep_last=0)
+        ak.save_state(tmp_path / "a", keep_last=0, step=1)
     save_pair(tmp_path / "a", 1.0)
     with pytest.raises(CheckpointError, match=r"has no \['ema'\]; it holds \['model', 'optimizer'\]"):
         ak.load_state(tmp_path / "a", ema=small_model(0.0))

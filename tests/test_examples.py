@@ -22,15 +22,19 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_digits_example_reaches_95_percent_on_two_processes() -> None:
-    for needed in ("sklearn", "tqdm"):  # find_spec: importing sklearn here would set env variables
+def test_digits_example_reaches_95_percent_on_two_processes(tmp_path: Path) -> None:
+    for needed in ("sklearn", "tqdm", "tensorboard"):  # find_spec: importing sklearn here would set env variables
         if importlib.util.find_spec(needed) is None:
             pytest.skip(f"needs the examples extra ({needed})")
-    done = _run(str(EXAMPLES / "digits.py"), "--num-processes", "2", "--epochs", "8")
+    done = _run(str(EXAMPLES / "digits.py"), "--num-processes", "2", "--epochs", "8", "--project-dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "on 360 samples" in done.stderr  # gather_for_metrics: exactly the test set
     accuracy = float(done.stdout.strip().rsplit(" ", 1)[-1])
     assert accuracy >= 0.95
+    rows = (tmp_path / "digits" / "metrics.csv").read_text().splitlines()  # rank 0's curves
+    assert rows[0] == "step,train/loss,train/lr,eval/accuracy,epoch" and rows[-1].endswith(",8")
+    assert float(rows[-1].split(",")[3]) == pytest.approx(accuracy, abs=1e-3)  # printed with 3 decimals
+    assert list((tmp_path / "digits").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.distributed

@@ -17,7 +17,6 @@ its optimizer: each rank's shards, written with ``torch.distributed.checkpoint``
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import uuid
@@ -33,7 +32,7 @@ from .. import _safe_io, _state, collectives
 from .._safe_io import CheckpointError
 from . import _commit, _manifest, _rank_state, _sharded
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_state", "save_model", "save_state"]
+__all__ = ["CheckpointError", "latest_checkpoint", "load_state", "save_state"]
 
 T = TypeVar("T")
 _TMP = _commit.TMP
@@ -180,72 +179,6 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     if mine is not None:
         _rank_state.apply(mine)
     return dict(body["values"])
-
-
-def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_serialization: bool | None = None) -> Path:
-    """Write the unwrapped ``model``'s weights to ``directory`` (on the main process only).
-
-    ``model.safetensors`` (as Accelerate writes by default) when safetensors is installed
-    (``pip install "accelkit[safetensors]"``); without it, ``pytorch_model.bin`` (``torch.save``
-    of the state dict, which ``torch.load(weights_only=True)`` reads) and a warning saying so.
-    ``safe_serialization=True`` insists on safetensors, ``False`` always writes the ``.bin``.
-    Either loads into the unwrapped, unsharded model. Returns the file's path, on every
-    rank (no collective: other ranks should ``ak.wait_for_everyone()`` before reading it),
-    except for a sharded model (``fully_shard``): every rank must call it then, to gather
-    the full weights.
-
-    Example:
-        >>> import accelkit as ak, torch
-        >>> path = ak.save_model(torch.nn.Linear(2, 1), "export")  # doctest: +SKIP
-        >>> torch.load(path, weights_only=True).keys()  # doctest: +SKIP
-        odict_keys(['weight', 'bias'])
-    """
-    from ..training import unwrap
-
-    safetensors_torch = _safetensors(safe_serialization)
-    target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
-    module = unwrap(model)
-    full = _sharded.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
-    if not _state.get().is_main_process:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{_TMP}{target.name}-{uuid.uuid4().hex[:12]}")
-    try:
-        if safetensors_torch is not None:
-            if full is None:
-                safetensors_torch.save_model(module, str(tmp))
-            else:
-                safetensors_torch.save_file(full, str(tmp))
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        else:
-            state = full if full is not None else {k: v.detach().cpu() for k, v in module.state_dict().items()}
-            _safe_io.write_file(tmp, _torch_writer(state))
-        os.replace(tmp, target)
-        _safe_io.fsync_dir(target.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
-
-
-def _safetensors(wanted: bool | None) -> Any:
-    """``safetensors.torch`` when it is wanted and installed; None for the ``.bin`` fallback."""
-    if wanted is False:
-        return None
-    try:
-        return importlib.import_module("safetensors.torch")
-    except ImportError:
-        install = 'pip install "accelkit[safetensors]"'
-        if wanted:
-            raise ImportError(f"accelkit.save_model(safe_serialization=True) needs safetensors: {install}") from None
-        if _state.get().is_main_process:
-            warnings.warn(
-                f"accelkit.save_model: safetensors is not installed, so the weights go to pytorch_model.bin "
-                f"(torch.save; load it with torch.load(path, weights_only=True)); {install} for model.safetensors, "
-                f"or pass safe_serialization=False to say that the .bin is what you want",
-                stacklevel=3,
-            )
-        return None
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:

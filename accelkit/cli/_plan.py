@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["STATE_FLAGS", "LaunchPlan", "describe", "local_processes", "plan_launch", "print_warnings"]
 
 # State options that have a flag; their values reach the workers as ACCELKIT_* variables.
-STATE_FLAGS = ("precision", "gradient_accumulation_steps", "debug", "cpu", "strategy")
+STATE_FLAGS = ("precision", "gradient_accumulation_steps", "debug", "cpu", "strategy", "log_with", "project_dir")
 
 
 @dataclass(frozen=True)

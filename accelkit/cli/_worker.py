@@ -66,6 +66,10 @@ def _report(exc: BaseException) -> None:
     run_dir = os.environ.get(RUN_DIR)
     if run_dir:
         record_failure(run_dir, exc, text)
+    if "accelkit._state" in sys.modules:  # the script started trackers only if it imported the state
+        from .. import _state
+
+        _state.end_trackers(failed=True)  # what was logged stays readable, and the run is marked failed
 
 
 if __name__ == "__main__":

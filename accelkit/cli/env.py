@@ -1,7 +1,7 @@
 """``accelkit env``: what to paste into a bug report, as a markdown list.
 
-The machine and its versions, the config file in effect, the ``ACCELKIT_*`` variables
-that are set, and the warnings ``accelkit launch`` would print.
+The machine and its versions, the config file in effect, the installed experiment trackers, the
+``ACCELKIT_*`` variables that are set, and the warnings ``accelkit launch`` would print.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_items(describe_config(config))
         num_processes = config.launch.get("num_processes", 1) if config is not None else 1  # type: ignore[assignment]
+    print("\n### Trackers (ak.init_trackers)")
+    _print_items(installed_trackers())
     print("\n### ACCELKIT_* variables")
     for line in [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("ACCELKIT_")] or ["none"]:
         print(f"- {line}")
@@ -67,6 +69,13 @@ def describe_config(config: ConfigFile | None) -> dict[str, str]:
     if config.ignored:
         out["ignored"] = ", ".join(f"{k} ({config.notes[k]})" if k in config.notes else k for k in config.ignored)
     return out
+
+
+def installed_trackers() -> dict[str, str]:
+    """Each tracker's version, or the line that installs it (nothing is imported to find out)."""
+    from ..tracking._registry import KINDS, installed_versions
+
+    return {name: version or f"not installed ({KINDS[name].install})" for name, version in installed_versions().items()}
 
 
 def _print_items(items: Mapping[str, str]) -> None:

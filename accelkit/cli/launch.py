@@ -14,7 +14,7 @@ import shlex
 import sys
 from dataclasses import replace
 
-from .._options import DEFAULT_RDZV_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES
+from .._options import DEFAULT_RDZV_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES, TRACKERS
 from ..config import config_in_effect
 from ..errors import ConfigurationError
 from ._plan import LaunchPlan, describe, local_processes, plan_launch, print_warnings
@@ -31,6 +31,7 @@ examples:
       --main-process-port 29500 -n 8 train.py   node 0 of two (node 1: --node-rank 1)
   accelkit launch --mpirun -n 4 --hostfile hosts train.py
   accelkit launch -n 2 -m mypackage.train       run a module, like python -m
+  accelkit launch -n 2 --log-with tensorboard,csv train.py   curves under runs/
 """
 
 
@@ -104,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opts.add_argument(
         "--debug", action="store_true", default=None, help="check collectives across ranks, print what is launched"
     )
+    track = parser.add_argument_group("tracking (ak.init_trackers)")
+    track.add_argument(
+        "--log-with",
+        metavar="NAMES",
+        help=f"trackers, comma-separated: {', '.join(TRACKERS)} or all (default: none)",
+    )
+    track.add_argument("--project-dir", metavar="DIR", help="where the trackers write (default: runs)")
     parser.add_argument("--config-file", metavar="PATH", help="the config file to read (default: `accelkit config`'s)")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module, like `python -m`")
     _accelerate_spellings(parser)

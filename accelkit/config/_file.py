@@ -214,6 +214,8 @@ def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
         "fsdp_reshard_after_forward": f.flag("fsdp_reshard_after_forward"),
         "fsdp_cpu_offload": f.flag("fsdp_cpu_offload"),
         "deepspeed_config": f.get("deepspeed_config", (str, dict), "a JSON file path or a mapping", "ds.json"),
+        "log_with": f.get("log_with", (str, list), "tracker names (a list, or comma-separated)", "[tensorboard, csv]"),
+        "project_dir": f.text("project_dir", "runs"),
     }
     state = f.state({k: v for k, v in checked.items() if v is not None})
     launch: dict[str, object] = {

@@ -150,6 +150,16 @@ def everything_else() -> None:
     assert_type(run_distributed(ak.world_size, num_processes=2, debug=True, timeout=30.0), list[Any])
     with WorkerPool(2, task_timeout=30.0, precision="bf16") as pool:
         pool.run(ak.rank)
+    ak.init(log_with=["tensorboard", "csv"], project_dir="runs")
+    with ak.init_trackers("proj", {"lr": 0.1}, log_with="csv", init_kwargs={"csv": {}}) as trackers:
+        ak.log({"loss": torch.tensor(0.5), "eval": {"acc": 0.9}}, step=1)
+        assert_type(trackers.names, tuple[str, ...])
+        ak.get_tracker("csv")
+    bar = ak.progress(range(3), desc="epoch 1")
+    for item in bar:
+        assert_type(item, int)
+        bar.set_postfix(loss=0.5)
+    ak.end_training()
     ak.reset_state()
     try:
         pass

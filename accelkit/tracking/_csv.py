@@ -1,0 +1,75 @@
+"""The ``"csv"`` tracker: ``metrics.csv`` (a ``step`` column, then one per name) and ``config.json``.
+
+Standard library only. Each ``ak.log`` call is one row, flushed before it returns; a name seen
+for the first time adds a column (the file is rewritten once, atomically, with the wider
+header). A file left by an earlier run of the same project is continued, not replaced.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from .. import _safe_io
+from ._values import config_json
+
+__all__ = ["CsvTracker", "start"]
+
+
+class CsvTracker:
+    """Appends one row per ``ak.log`` call to ``metrics.csv``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.columns: list[str] = ["step"]
+        if path.is_file() and path.stat().st_size:
+            with path.open(newline="", encoding="utf-8") as f:
+                self.columns = next(csv.reader(f), []) or self.columns
+        self._open()
+        if self.columns == ["step"] and not path.stat().st_size:
+            self._write([self.columns])
+
+    @property
+    def writer(self) -> Path:
+        """The CSV file's path."""
+        return self.path
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        new = [name for name in values if name not in self._known]
+        if new:
+            self._widen(new)
+        self._write([[step, *(values.get(c, "") for c in self.columns[1:])]])
+
+    def finish(self, failed: bool) -> None:
+        self._file.close()
+
+    def _open(self) -> None:
+        self._file: IO[str] = self.path.open("a", newline="", encoding="utf-8")
+        self._rows = csv.writer(self._file)
+        self._known = set(self.columns)
+
+    def _write(self, rows: list[list[Any]]) -> None:
+        self._rows.writerows(rows)
+        self._file.flush()  # in the OS's hands: a worker killed next still leaves the row on disk
+
+    def _widen(self, new: list[str]) -> None:
+        self._file.close()
+        with self.path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))[1:]
+        self.columns += new
+        text = io.StringIO(newline="")
+        csv.writer(text).writerows([self.columns, *(row + [""] * (len(self.columns) - len(row)) for row in rows)])
+        _safe_io.write_atomic(self.path, text.getvalue().encode("utf-8"))
+        self._open()
+
+
+def start(directory: Path, project: str, config: Mapping[str, Any], options: dict[str, Any]) -> CsvTracker:
+    """``metrics.csv`` in ``directory`` (and ``config.json`` when there is a config); no options."""
+    if options:
+        raise TypeError(f"the csv tracker takes no init_kwargs, got {sorted(options)}")
+    if config:
+        _safe_io.write_atomic(directory / "config.json", config_json(config).encode("utf-8"))
+    return CsvTracker(directory / "metrics.csv")

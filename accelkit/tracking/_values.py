@@ -1,0 +1,129 @@
+"""What ``ak.log`` accepts, turned into flat ``name -> number`` dicts, and configs into hyper-parameters.
+
+Nested dicts become slash-separated names (``{"eval": {"acc": 0.9}}`` -> ``eval/acc``), as
+TensorBoard groups them; anything that is not a number is a ``TypeError`` naming its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["check_step", "config_dict", "config_json", "flat_hparams", "json_number", "scalars"]
+
+_RESERVED = "step"  # the step column of the CSV and JSONL files
+
+
+def scalars(values: object, call: str = "accelkit.log") -> dict[str, float | int]:
+    """``values`` flattened to ``name -> int | float``; one-element tensors become Python numbers.
+
+    Example:
+        >>> scalars({"loss": torch.tensor(0.5), "eval": {"acc": 1}})
+        {'loss': 0.5, 'eval/acc': 1}
+    """
+    if type(values) is not dict and not isinstance(values, Mapping):
+        raise TypeError(
+            f"{call}(values={values!r:.80}): expected a dict of numbers, e.g. {call}({{'loss': loss}}, step=step)"
+        )
+    out: dict[str, float | int] = {}
+    _flatten(values, "", out, call)
+    return out
+
+
+def _flatten(values: Mapping[Any, Any], prefix: str, out: dict[str, float | int], call: str) -> None:
+    for key, value in values.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{call}: key {prefix}{key!r} is not a non-empty string; name each value, e.g. 'loss'")
+        name = prefix + key
+        if name == _RESERVED:
+            raise ValueError(f"{call}: {name!r} is the step of every row; pass it as {call}(values, step=...)")
+        kind = type(value)
+        if kind is float or kind is int:  # the common case first: ABC checks cost a few µs per call
+            out[name] = value
+        elif kind is torch.Tensor and value.numel() == 1 and not value.is_complex():
+            number = value.item()  # a device sync on a GPU: only the main process gets here
+            out[name] = int(number) if isinstance(number, (bool, int)) else float(number)
+        elif kind is dict or isinstance(value, Mapping):
+            _flatten(value, name + "/", out, call)
+        elif isinstance(value, bool):
+            out[name] = int(value)
+        elif isinstance(value, numbers.Integral):
+            out[name] = int(value)
+        elif isinstance(value, numbers.Real):
+            out[name] = float(value)
+        elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            number = value.item()  # a device sync on a GPU: only the main process gets here
+            out[name] = int(number) if isinstance(number, (bool, int)) else float(number)
+        elif isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{call}: {name!r} is a tensor of shape {tuple(value.shape)} ({value.dtype}); log one real "
+                f"number per name, e.g. {{{name!r}: tensor.mean()}}"
+            )
+        else:
+            raise TypeError(
+                f"{call}: {name!r} is a {type(value).__name__} ({value!r:.60}); log numbers, one-element tensors "
+                f"or dicts of them, e.g. {{{name!r}: float(x)}}"
+            )
+
+
+def check_step(step: object, call: str = "accelkit.log") -> int | None:
+    """``step`` as an int (``None`` stays None); an error for anything but a non-negative integer."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"{call}(step={step!r}): expected an integer >= 0 (e.g. the optimizer step), or None")
+    if step < 0:
+        raise ValueError(f"{call}(step={step!r}): expected an integer >= 0; steps count from 0")
+    return int(step)
+
+
+def config_dict(config: object, call: str) -> dict[str, Any]:
+    """A config given as a dict, a dataclass or an ``argparse.Namespace``, as a plain dict."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    if hasattr(config, "__dict__") and type(config).__name__ == "Namespace":  # argparse's
+        return dict(vars(config))
+    raise TypeError(
+        f"{call}(config={config!r:.80}): expected a dict of hyper-parameters (a dataclass or an argparse "
+        f"Namespace also works), e.g. config={{'lr': 3e-3, 'batch_size': 32}}"
+    )
+
+
+def flat_hparams(config: Mapping[str, Any]) -> dict[str, bool | int | float | str]:
+    """The config flattened for trackers that take flat hyper-parameters (TensorBoard, MLflow).
+
+    Example:
+        >>> flat_hparams({"lr": 0.1, "model": {"layers": [2, 3]}, "seed": None})
+        {'lr': 0.1, 'model/layers': '[2, 3]', 'seed': 'None'}
+    """
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            out.update({f"{key}/{k}": v for k, v in flat_hparams(value).items()})
+        elif isinstance(value, (bool, int, float, str)):
+            out[str(key)] = value
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[str(key)] = value.item()
+        else:
+            out[str(key)] = str(value)
+    return out
+
+
+def config_json(config: Mapping[str, Any]) -> str:
+    """The config as JSON text (values JSON cannot hold are written as their ``str``)."""
+    return json.dumps(config, indent=2, default=str, allow_nan=True) + "\n"
+
+
+def json_number(value: float | int) -> float | int | str:
+    """A number for a JSON line: NaN and infinities as strings (strict JSON has no such numbers)."""
+    return value if isinstance(value, int) or math.isfinite(value) else str(value)
