@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,12 @@ class _Unsupported:
 
     def empty_cache(self) -> None:
         pass
+
+    def batch_transfer(self, device: torch.device) -> None:
+        return None  # never reached: device() refuses first
+
+    def read_later(self, flag: torch.Tensor) -> Callable[[], bool]:
+        return lambda: bool(flag.any())
 
 
 class XPUBackend(_Unsupported):
