@@ -77,10 +77,11 @@ class Stream(IterableDataset[int]):
 
 def loaders() -> dict[str, Any]:
     data = torch.arange(40).view(20, 2).float()
+    by_four = BatchSampler(SequentialSampler(range(9)), batch_size=4, drop_last=False)
     return {
         "shuffled": lambda: DataLoader(torch.utils.data.TensorDataset(data), batch_size=3, shuffle=True),
         "dicts": lambda: DataLoader([{"x": data[i], "i": i} for i in range(7)], batch_size=2),
-        "batch sampler": lambda: DataLoader(range(9), batch_sampler=BatchSampler(SequentialSampler(range(9)), 4, False)),
+        "batch sampler": lambda: DataLoader(range(9), batch_sampler=by_four),
         "unbatched": lambda: DataLoader(range(5), batch_size=None),
         "stream": lambda: DataLoader(Stream(7), batch_size=3),
     }

@@ -192,7 +192,7 @@ def test_clip_on_a_micro_step_divides_by_the_scale_without_reading_it(monkeypatc
     ak.init(precision="fp16")
     model = nn.Linear(2, 1, bias=False)
     nn.init.ones_(model.weight)
-    model, opt = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, _ = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with ak.accumulate(model, steps=2):
         ak.backward(model(torch.full((1, 2), 0.25)).sum())  # gradient [1/8, 1/8] after the division by 2
         with counting_reads(monkeypatch) as counts:
