@@ -1,9 +1,11 @@
 """Train a small CNN on scikit-learn's digits (8x8 images, 10 classes) with accelkit.
 
-    python examples/digits.py --num-processes 2 --epochs 10
+    python examples/digits.py --epochs 10
 
-The same script runs on one process, on several CPU processes or GPUs, and under torchrun.
-The data set ships with scikit-learn: nothing is downloaded.
+The same script runs unchanged on a CPU-only machine (2 CPU processes), on one GPU or on
+several (one process per visible GPU), and under torchrun or `accelkit launch`;
+``--num-processes N`` and ``--cpu`` choose otherwise. The data set ships with scikit-learn:
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -83,9 +85,15 @@ def train(epochs: int = 10, batch_size: int = 32, lr: float = 3e-3, seed: int = 
     return accuracy
 
 
+def default_num_processes(cpu: bool) -> int:
+    """One process per visible GPU; 2 CPU processes where there is none (or with --cpu)."""
+    return (0 if cpu else torch.cuda.device_count()) or 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--num-processes", type=int, default=None, help="default: one per GPU, else 2 on the CPU")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU processes even where GPUs are visible")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -94,8 +102,9 @@ def main() -> None:
     accuracy = ak.launch(
         train,
         (args.epochs, args.batch_size, args.lr),
-        num_processes=args.num_processes,
+        num_processes=args.num_processes or default_num_processes(args.cpu),
         precision=args.precision,
+        cpu=args.cpu or None,  # None: ACCELKIT_CPU or the config file decide
     )
     ak.print(f"test accuracy: {accuracy:.3f}")  # once, also under `accelkit launch`
 
