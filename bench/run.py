@@ -28,7 +28,9 @@ sys.path.insert(0, HERE)
 
 from _common import Row  # noqa: E402
 
-SECTIONS: list[str] = ["import_time", "launch_time", "collectives", "train_step", "checkpoint", "sharding_memory"]
+SECTIONS: list[str] = [
+    "import_time", "launch_time", "collectives", "train_step", "checkpoint", "sharding_memory", "gpu_step",
+]  # fmt: skip
 
 COLUMNS = ("section", "name", "accelkit", "reference", "diff", "ratio", "target", "n")
 
