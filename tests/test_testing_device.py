@@ -33,19 +33,29 @@ def test_pool_workers_stay_on_the_cpu_in_every_task() -> None:
         assert pool.run(device_of_a_task) == ["cpu", "cpu"]  # a fresh training state, the same pin
 
 
-def device_across_a_restart_and_a_reset() -> tuple[int, str, str, str]:
+def device_across_a_restart() -> tuple[int, str, str]:
     _as_if_a_gpu_were_visible()
-    st = ak.state()
+    st = ak.init(cpu=False)  # code that asks for the accelerator, inside a test's worker
     if st.restart_count == 0 and st.rank == 1:
         raise RuntimeError("the first attempt fails; the agent restarts every worker")
-    ak.reset_state()
-    again = ak.init(cpu=False)  # code that asks for the accelerator, inside a test's worker
-    return st.restart_count, str(st.device), str(again.device), again.backend
+    return st.restart_count, str(st.device), st.backend
 
 
 @pytest.mark.distributed
-def test_run_distributed_workers_stay_on_the_cpu_after_a_restart_and_a_state_reset() -> None:
-    assert run_distributed(device_across_a_restart_and_a_reset, max_restarts=1) == [(1, "cpu", "cpu", "gloo")] * 2
+def test_run_distributed_workers_stay_on_the_cpu_after_a_restart() -> None:
+    assert run_distributed(device_across_a_restart, max_restarts=1) == [(1, "cpu", "gloo")] * 2
+
+
+def device_after_a_state_reset() -> tuple[str, str]:
+    _as_if_a_gpu_were_visible()
+    before = str(ak.device())
+    ak.reset_state()
+    return before, str(ak.init(cpu=False).device)
+
+
+def test_a_worker_stays_on_the_cpu_after_a_state_reset() -> None:
+    # One process: re-forming a two-rank group after a reset is another matter (gloo's timing).
+    assert run_distributed(device_after_a_state_reset, num_processes=1) == [("cpu", "cpu")]
 
 
 @pytest.mark.parametrize(
