@@ -8,6 +8,7 @@ the same loop on CUDA under ``torch.cuda.set_sync_debug_mode("error")``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from collections import Counter
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import accelkit as ak
+from accelkit._backends.cpu import CPUBackend
 
 # Tensor methods that copy a value back to the host; GradScaler.get_scale() is one too.
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -127,14 +129,30 @@ def test_the_step_path_reads_no_more_than_the_raw_loop(
         assert sum(raw.values()) == 0
 
 
-def test_a_scheduler_of_a_fused_fp16_optimizer_reads_the_flag_one_step_later(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The one read the raw loop does not make (it steps its scheduler even on skipped steps).
-    # It happens at the next optimizer step: on CUDA it reads a pinned copy of the flag after an
-    # event of the step that made it, so the host never waits for later work (tests/test_gpu.py).
+def test_a_scheduler_of_a_fused_fp16_optimizer_reads_the_flag_in_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one read per step the raw loop does not make (it steps its scheduler even on skipped
+    # steps). On the CPU the flag is in host memory, so it is read at once; where reading would
+    # wait for a device, it is read one step later (below, and on CUDA in tests/test_gpu.py).
     raw = raw_loop("fp16", "fused", True, monkeypatch)
     ours = accelkit_loop("fp16", "fused", True, monkeypatch)
     assert sum(raw.values()) == 0
-    assert ours["get_scale"] == 0 and sum(ours.values()) == STEPS - 1  # the last step's is still pending
+    assert ours["get_scale"] == 0 and sum(ours.values()) == STEPS
+
+
+@contextmanager
+def reads_as_on_a_gpu(log: list[str]) -> Iterator[None]:
+    """The CPU backend hands out readers for later, as the CUDA backend does for device flags."""
+
+    def read_later(self: CPUBackend, flag: torch.Tensor) -> Any:
+        log.append("deferred")
+        return lambda: log.append("read") or bool(flag)
+
+    original = CPUBackend.read_later
+    CPUBackend.read_later = read_later  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        CPUBackend.read_later = original  # type: ignore[method-assign]
 
 
 # --- what the lazy outcome must still get right ----------------------------------------------
@@ -151,32 +169,41 @@ def fused_fp16_setup(lr: float = 1.0) -> tuple[nn.Module, Any, Any, list[float]]
     return model, opt, sched, used
 
 
-def fp16_step(model: nn.Module, opt: Any, sched: Any, value: float) -> None:
+def fp16_step(model: nn.Module, opt: Any, sched: Any, value: float, log: list[str] | None = None) -> None:
     ak.backward(model(torch.full((1, 2), value)).sum() * 1e-3)  # scaled by 2**16: still finite in fp16
+    if log is not None:
+        log.append("step")
     opt.step()
     sched.step()
     opt.zero_grad()
 
 
-def test_a_deferred_scheduler_step_applies_before_the_next_step_and_skips_with_an_overflow() -> None:
-    model, opt, sched, used = fused_fp16_setup()
-    for value in (1e-3, 1e-3, math.inf, 1e-3, 1e-3):
-        fp16_step(model, opt, sched, value)
-    # The third step overflowed: the fused optimizer ran but changed nothing, the scheduler held.
-    assert used == [1.0, 0.5, 0.25, 0.25, 0.125]
-    assert sched.get_last_lr() == [0.0625]  # reading the scheduler applies the last pending step
-    assert not opt.step_was_skipped
+@pytest.mark.parametrize("later", [False, True], ids=["read at once", "read one step later"])
+def test_a_scheduler_holds_on_an_overflow_of_a_fused_optimizer(later: bool) -> None:
+    log: list[str] = []
+    with reads_as_on_a_gpu(log) if later else contextlib.nullcontext():
+        model, opt, sched, used = fused_fp16_setup()
+        for value in (1e-3, 1e-3, math.inf, 1e-3, 1e-3):
+            fp16_step(model, opt, sched, value, log)
+        # The third step overflowed: the fused optimizer ran but changed nothing, the scheduler held.
+        assert used == [1.0, 0.5, 0.25, 0.25, 0.125]
+        assert sched.get_last_lr() == [0.0625]  # reading the scheduler applies a pending step
+        assert not opt.step_was_skipped
+    if later:  # each step's flag is read at the next step, before the optimizer runs
+        assert log[:7] == ["step", "deferred", "step", "read", "deferred", "step", "read"]
+        assert log.count("read") == 5
 
 
 def test_the_outcome_is_read_when_asked_and_state_dicts_see_the_scheduled_rate() -> None:
-    model, opt, sched, _ = fused_fp16_setup()
-    fp16_step(model, opt, sched, math.inf)
-    assert opt.step_was_skipped
-    fp16_step(model, opt, sched, 1e-3)
-    assert not opt.step_was_skipped
-    assert opt.state_dict()["param_groups"][0]["lr"] == 0.5  # the pending scheduler step, applied first
-    assert sched.state_dict()["last_epoch"] == 1
-    assert opt.param_groups[0]["lr"] == 0.5
+    with reads_as_on_a_gpu([]):
+        model, opt, sched, _ = fused_fp16_setup()
+        fp16_step(model, opt, sched, math.inf)
+        assert opt.step_was_skipped
+        fp16_step(model, opt, sched, 1e-3)
+        assert not opt.step_was_skipped
+        assert opt.state_dict()["param_groups"][0]["lr"] == 0.5  # the pending scheduler step, applied first
+        assert sched.state_dict()["last_epoch"] == 1
+        assert opt.param_groups[0]["lr"] == 0.5
 
 
 def test_step_closures_are_refused_under_fp16() -> None:

@@ -58,10 +58,10 @@ class Backend(Protocol):
         """How prepared loaders move batches to ``device``; None: they are there already (the CPU)."""
         ...
 
-    def read_later(self, flag: torch.Tensor) -> Callable[[], bool]:
-        """A reader of "is ``flag`` nonzero?" that does not make the host wait for the device now.
+    def read_later(self, flag: torch.Tensor) -> bool | Callable[[], bool]:
+        """Whether ``flag`` is nonzero: now where reading costs no wait (host memory), else a reader for later.
 
-        The value is the one ``flag`` has at this point of the device's work; reading it later
+        The reader gives the value ``flag`` has at this point of the device's work: calling it
         waits, at most, for the work queued before this call, never for what was queued after.
         """
         ...

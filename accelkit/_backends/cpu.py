@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _tree
 
-__all__ = ["CPUBackend", "ToDevice"]
+__all__ = ["CPUBackend", "ToDevice", "is_set"]
 
 
 class CPUBackend:
@@ -33,8 +32,8 @@ class CPUBackend:
         # Batches are made on the CPU: no copy at all. (Another device here is a state built by hand.)
         return None if device.type == "cpu" else ToDevice(device)
 
-    def read_later(self, flag: torch.Tensor) -> Callable[[], bool]:
-        return lambda: bool(flag.any())  # host memory: reading it never waits for a device
+    def read_later(self, flag: torch.Tensor) -> bool:
+        return is_set(flag)  # host memory: reading it never waits for a device
 
 
 class ToDevice:
@@ -48,3 +47,8 @@ class ToDevice:
 
     def finish(self, handle: Any) -> Any:
         return handle
+
+
+def is_set(flag: torch.Tensor) -> bool:
+    """Whether a host tensor has a nonzero element (a one-element flag, as GradScaler's, without a kernel)."""
+    return bool(flag) if flag.numel() == 1 else bool(flag.any())

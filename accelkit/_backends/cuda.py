@@ -14,6 +14,7 @@ import torch
 
 from .. import _tree
 from ..errors import ConfigurationError
+from .cpu import is_set
 
 __all__ = ["CUDABackend", "CUDATransfer"]
 
@@ -59,9 +60,9 @@ class CUDABackend:
     def batch_transfer(self, device: torch.device) -> CUDATransfer:
         return CUDATransfer(device)
 
-    def read_later(self, flag: torch.Tensor) -> Callable[[], bool]:
+    def read_later(self, flag: torch.Tensor) -> bool | Callable[[], bool]:
         if flag.device.type != "cuda":
-            return lambda: bool(flag.any())
+            return is_set(flag)
         stream = torch.cuda.current_stream(flag.device)
         # A non-blocking copy into pinned memory, and an event after it: reading waits for this
         # point of the stream only (cudaEventSynchronize), while the work queued later runs on.
@@ -72,7 +73,7 @@ class CUDABackend:
 
         def read() -> bool:
             copied.synchronize()
-            return bool(host.any())
+            return is_set(host)
 
         return read
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..errors import ConfigurationError
+from .cpu import is_set
 
 
 class _Unsupported:
@@ -37,8 +37,8 @@ class _Unsupported:
     def batch_transfer(self, device: torch.device) -> None:
         return None  # never reached: device() refuses first
 
-    def read_later(self, flag: torch.Tensor) -> Callable[[], bool]:
-        return lambda: bool(flag.any())
+    def read_later(self, flag: torch.Tensor) -> bool:
+        return is_set(flag)
 
 
 class XPUBackend(_Unsupported):

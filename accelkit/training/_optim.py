@@ -3,11 +3,12 @@
 Whether an fp16 step was skipped is never read from the device on the step path. A plain
 optimizer's skip is known on the host (GradScaler did not call its ``step()``); an optimizer that
 skips on the device (fused Adam/AdamW/SGD) leaves a device flag, read only when asked:
-``step_was_skipped`` reads it at once (the host waits for the device), a prepared scheduler
-reads it at the next optimizer step, through a copy the device makes after this step, so that
-the host waits for this step's flag at most, never for the work queued after it. Until then
-that scheduler's step is pending: the next ``optimizer.step()``, and reading the scheduler or
-the prepared optimizer's ``param_groups`` / ``state_dict()``, apply it first.
+``step_was_skipped`` reads it at once (the host waits for the device). A prepared scheduler
+reads it at once where that costs no wait (the CPU: host memory); on a GPU it reads it at the
+next optimizer step, through a copy the device makes after this step, so that the host waits
+for this step's flag at most, never for the work queued after it. Until then that scheduler's
+step is pending: the next ``optimizer.step()``, and reading the scheduler or the prepared
+optimizer's ``param_groups`` / ``state_dict()``, apply it first.
 """
 
 from __future__ import annotations
@@ -121,10 +122,10 @@ class PreparedScheduler:
 
     It does nothing on accumulation micro-steps and when the optimizer skipped its step
     (fp16 overflow), so size schedules in optimizer steps: from the *prepared* loader's
-    ``len()`` divided by the accumulation steps. When the optimizer skips on the device
-    (fused, fp16), ``step()`` is applied at the optimizer's next step instead (or when the
-    scheduler or the prepared optimizer's ``param_groups`` is read first), so that it
-    never makes the host wait for the device.
+    ``len()`` divided by the accumulation steps. When the optimizer skips on a GPU (fused,
+    fp16), ``step()`` is applied at the optimizer's next step instead (or when the scheduler
+    or the prepared optimizer's ``param_groups`` is read first), so that it never makes the
+    host wait for the device.
     """
 
     def __init__(self, scheduler: Any) -> None:
@@ -140,10 +141,13 @@ class PreparedScheduler:
         for opt in training.optimizers:
             if opt is target or opt.optimizer is target:
                 outcome = opt._outcome()
-                if isinstance(outcome, torch.Tensor):  # decided on the device: read it later
-                    self._pending = (_read_later(outcome), args, kwargs)
-                    opt._defer(self._apply_pending)
-                    return
+                if isinstance(outcome, torch.Tensor):  # decided on the device
+                    read = _read_later(outcome)
+                    if not isinstance(read, bool):  # reading it now would wait for the device: later
+                        self._pending = (read, args, kwargs)
+                        opt._defer(self._apply_pending)
+                        return
+                    outcome = opt._skipped = read
                 if outcome:
                     return
         self.scheduler.step(*args, **kwargs)
@@ -174,8 +178,8 @@ class PreparedScheduler:
         return f"PreparedScheduler({self.scheduler!r})"
 
 
-def _read_later(flag: torch.Tensor) -> Callable[[], bool]:
+def _read_later(flag: torch.Tensor) -> bool | Callable[[], bool]:
     hardware = _state.get().hardware
-    if hardware is None:  # a state built by hand (tests): read it when asked
-        return lambda: bool(flag.any())
+    if hardware is None:  # a state built by hand (tests)
+        return bool(flag.any())
     return hardware.read_later(flag)
