@@ -96,18 +96,23 @@ class CUDATransfer:
     def start(self, batch: Any) -> tuple[Any, list[torch.Tensor]]:
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self.stream
         copies: list[torch.Tensor] = []
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             if t.device == self.device:
                 return t
-            if t.device.type == "cpu" and not t.is_pinned():
-                t = t.pin_memory()  # a copy from pageable memory would block the host
+            if t.device.type == "cpu":
+                if not t.is_pinned():
+                    t = t.pin_memory()  # a copy from pageable memory would block the host
+            else:  # another GPU's tensor: copy it once the work that made it is done
+                stream.wait_stream(torch.cuda.current_stream(t.device))
+                t.record_stream(stream)
             moved = t.to(self.device, non_blocking=True)
             copies.append(moved)
             return moved
 
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(stream):
             moved = _tree.apply_to_tensors(copy, batch)
         return moved, copies
 
