@@ -36,10 +36,10 @@ from .launcher._rendezvous import free_port
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["TestDevice", "WorkerPool", "run_distributed"]
+__all__ = ["WorkerDevice", "WorkerPool", "run_distributed"]
 
-TestDevice = Literal["cpu", "cuda"]
-_DEVICES: tuple[str, ...] = get_args(TestDevice)
+WorkerDevice = Literal["cpu", "cuda"]
+_DEVICES: tuple[str, ...] = get_args(WorkerDevice)
 
 
 def _worker_env(device: object, options: dict[str, Any], call: str) -> dict[str, str]:
@@ -70,7 +70,7 @@ def run_distributed(
     kwargs: dict[str, Any] | None = None,
     *,
     num_processes: int = 2,
-    device: TestDevice = "cpu",
+    device: WorkerDevice = "cpu",
     task_timeout: float = 120.0,
     max_restarts: int = 0,
     **options: Unpack[StateOptions],
@@ -116,7 +116,7 @@ class WorkerPool:
         self,
         num_processes: int = 2,
         *,
-        device: TestDevice = "cpu",
+        device: WorkerDevice = "cpu",
         task_timeout: float = 60.0,
         grace: float = 5.0,
         **options: Unpack[StateOptions],
