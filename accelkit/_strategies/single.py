@@ -102,19 +102,19 @@ class SingleProcess:
                 f"optimizer.step(closure) under fp16: the grad scaler cannot re-evaluate a closure (it would see "
                 f"scaled gradients); step {type(optimizer).__name__} without one, or use precision='bf16' or 'no'"
             )
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # GradScaler always calls its step()
+            loss = scaler.step(optimizer)
+            # Read before update(), which forgets it: the flag the step skipped on, one per device.
+            flags = list(scaler._found_inf_per_device(optimizer).values())
+            scaler.update()
+            if len(flags) <= 1:
+                return loss, flags[0] if flags else False  # none: a disabled scaler, nothing skipped
+            return loss, torch.stack([f.to(flags[0].device) for f in flags]).sum()
         calls = self._step_calls(optimizer)
         before = calls.count
         loss = scaler.step(optimizer)
-        on_device = getattr(optimizer, "_step_supports_amp_scaling", False) and calls.count > before
-        # Read before update(), which forgets it: the flag the fused step skipped on, one per device.
-        flags = list(scaler._found_inf_per_device(optimizer).values()) if on_device else []
         scaler.update()
-        if calls.count == before:
-            return loss, True  # GradScaler did not call step(): inf/NaN gradients
-        if not flags:
-            return loss, False
-        first = flags[0]
-        return loss, first if len(flags) == 1 else torch.stack([f.to(first.device) for f in flags]).sum()
+        return loss, calls.count == before  # GradScaler calls step() unless it found inf/NaN gradients
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
         if boundary:

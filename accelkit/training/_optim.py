@@ -131,18 +131,23 @@ class PreparedScheduler:
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self._pending: tuple[Callable[[], bool], tuple[Any, ...], dict[str, Any]] | None = None
+        hardware = _state.get().hardware  # this process's, for as long as its optimizer is prepared
+        self._read_later: Callable[[torch.Tensor], bool | Callable[[], bool]] = (
+            hardware.read_later if hardware is not None else _read_now
+        )
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
         if not training.sync_gradients or _state.strategy().owns_schedulers:
             return
-        self._apply_pending()
+        if self._pending is not None:
+            self._apply_pending()
         target = self.scheduler.optimizer  # the user's optimizer or its prepared wrapper
         for opt in training.optimizers:
             if opt is target or opt.optimizer is target:
                 outcome = opt._outcome()
                 if isinstance(outcome, torch.Tensor):  # decided on the device
-                    read = _read_later(outcome)
+                    read = self._read_later(outcome)
                     if not isinstance(read, bool):  # reading it now would wait for the device: later
                         self._pending = (read, args, kwargs)
                         opt._defer(self._apply_pending)
@@ -178,8 +183,5 @@ class PreparedScheduler:
         return f"PreparedScheduler({self.scheduler!r})"
 
 
-def _read_later(flag: torch.Tensor) -> bool | Callable[[], bool]:
-    hardware = _state.get().hardware
-    if hardware is None:  # a state built by hand (tests)
-        return bool(flag.any())
-    return hardware.read_later(flag)
+def _read_now(flag: torch.Tensor) -> bool:  # a state built by hand (tests) has no hardware backend
+    return bool(flag.any())
