@@ -39,6 +39,10 @@ RUN_DIR = "ACCELKIT_RUN_DIR"
 # options; comma-separated): code in the workers must agree with them. LAUNCHED_BY names that launcher.
 LAUNCH_FLAGS = "ACCELKIT_LAUNCH_FLAGS"
 LAUNCHED_BY = "ACCELKIT_LAUNCHED_BY"
+# Set only by accelkit.testing in its workers: "cpu" keeps every rank on the CPU whatever the code or
+# the config file asks; "cuda" puts every local rank on cuda:0, over gloo (several ranks on one GPU).
+TEST_DEVICE = "ACCELKIT_TEST_DEVICE"
+TEST_DEVICES = ("cpu", "cuda")
 
 OPTION_VARIABLES = {
     "precision": PRECISION,
@@ -110,6 +114,19 @@ def read_str(name: str, env: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if env is None else env
     raw = env.get(name)
     return raw.strip() if raw is not None and raw.strip() else None
+
+
+def test_device(env: Mapping[str, str] | None = None) -> str | None:
+    """The device accelkit.testing pinned this worker to (``"cpu"`` or ``"cuda"``), None outside its workers."""
+    raw = read_str(TEST_DEVICE, env)
+    if raw is None:
+        return None
+    if raw not in TEST_DEVICES:
+        raise ConfigurationError(
+            f"environment variable {TEST_DEVICE}={raw!r}: expected one of {', '.join(TEST_DEVICES)}; "
+            f"accelkit.testing sets it for its workers, unset it elsewhere"
+        )
+    return raw
 
 
 def option_overrides(env: Mapping[str, str] | None = None) -> dict[str, object]:

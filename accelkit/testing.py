@@ -1,9 +1,16 @@
-"""Helpers to test distributed code for real: N gloo CPU workers on 127.0.0.1.
+"""Helpers to test distributed code for real: N gloo workers on 127.0.0.1, on the CPU or one GPU.
 
 - :func:`run_distributed` starts fresh workers (the same path as ``@ak.distributed``) and
   returns every rank's result.
 - :class:`WorkerPool` keeps a group of workers alive and sends them one task after
   another, so that property tests do not pay a process start per example.
+
+``device="cpu"`` (the default) keeps every worker on the CPU on every path: in every task,
+after a restart, and when a task resets the state (``ak.reset_state()``, then ``ak.init(...)``),
+whatever the machine has. ``device="cuda"`` puts every rank on the one visible GPU (cuda:0),
+over gloo, which moves CUDA tensors through host memory: multi-process CUDA paths (DDP, the
+loader, ``gather_for_metrics``, the collectives) can be tested on a single-GPU machine. Both
+are pinned through ``ACCELKIT_TEST_DEVICE`` in the workers' environment.
 
 Functions sent to workers must be defined at module level (workers import them by name).
 """
@@ -17,7 +24,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from . import _env, _frames, _state
 from ._options import LaunchSettings, StateOptions, validate
@@ -29,7 +36,32 @@ from .launcher._rendezvous import free_port
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["WorkerPool", "run_distributed"]
+__all__ = ["WorkerDevice", "WorkerPool", "run_distributed"]
+
+WorkerDevice = Literal["cpu", "cuda"]
+_DEVICES: tuple[str, ...] = get_args(WorkerDevice)
+
+
+def _worker_env(device: object, options: dict[str, Any], call: str) -> dict[str, str]:
+    """The environment that carries ``options`` and the pinned ``device`` into the workers."""
+    if device not in _DEVICES:
+        raise ValueError(f"{call}(device={device!r}): expected one of {', '.join(map(repr, _DEVICES))}")
+    state_options = validate(options, call)
+    if state_options.get("cpu", device == "cpu") != (device == "cpu"):
+        raise ValueError(
+            f"{call}(device={device!r}, cpu={options['cpu']!r}): the workers' device is chosen by device= alone; "
+            f"drop cpu=, and pass device='cpu' or device='cuda'"
+        )
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{call}(device='cuda'): torch sees no CUDA device here; skip the test without one, "
+                f"e.g. @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')"
+            )
+    state_options["cpu"] = device == "cpu"
+    return {**_env.option_env(state_options), _env.TEST_DEVICE: str(device)}
 
 
 def run_distributed(
@@ -38,13 +70,15 @@ def run_distributed(
     kwargs: dict[str, Any] | None = None,
     *,
     num_processes: int = 2,
+    device: WorkerDevice = "cpu",
     task_timeout: float = 120.0,
     max_restarts: int = 0,
     **options: Unpack[StateOptions],
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``num_processes`` CPU workers; each rank's result.
+    """Run ``fn(*args, **kwargs)`` on ``num_processes`` workers on ``device``; each rank's result.
 
-    ``options`` are state options (``precision``, ``debug``, ``timeout`` for collectives, ...).
+    ``device="cuda"`` puts every rank on cuda:0, over gloo. ``options`` are state options
+    (``precision``, ``debug``, ``timeout`` for collectives, ...).
     A worker that raises, dies or runs past ``task_timeout`` seconds stops the others and
     raises :class:`~accelkit.WorkerError` with its traceback (for a timeout: where it was).
 
@@ -54,15 +88,16 @@ def run_distributed(
         >>> run_distributed(ak.world_size)  # doctest: +SKIP
         [2, 2]
     """
-    state_options = validate({"cpu": True, **options}, "accelkit.testing.run_distributed")
+    env = _worker_env(device, dict(options), "accelkit.testing.run_distributed")
     config = LaunchSettings(num_processes=num_processes, max_restarts=max_restarts, start_method="spawn")
-    env = _env.option_env(state_options)
     results = run_workers(fn, tuple(args), dict(kwargs or {}), config, env, watchdog=task_timeout)
     return [results[r] for r in sorted(results)]
 
 
 class WorkerPool:
-    """A long-lived group of ``num_processes`` gloo CPU workers that run tasks in turn.
+    """A long-lived group of ``num_processes`` gloo workers that run tasks in turn.
+
+    Workers run on the CPU, or with ``device="cuda"`` every one on cuda:0.
 
     Each worker joins the process group once, with ``options`` (e.g. ``debug=True``),
     then runs every task it is sent, with fresh training state. A task that raises on
@@ -81,14 +116,16 @@ class WorkerPool:
         self,
         num_processes: int = 2,
         *,
+        device: WorkerDevice = "cpu",
         task_timeout: float = 60.0,
         grace: float = 5.0,
         **options: Unpack[StateOptions],
     ) -> None:
         self.num_processes = num_processes
+        self.device = device
         self.task_timeout = task_timeout
         self.grace = grace
-        self._env = _env.option_env(validate({"cpu": True, **options}, "accelkit.testing.WorkerPool"))
+        self._env = _worker_env(device, dict(options), "accelkit.testing.WorkerPool")
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._ids = itertools.count()

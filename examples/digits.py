@@ -1,12 +1,14 @@
 """Train a small CNN on scikit-learn's digits (8x8 images, 10 classes) with accelkit.
 
-    python examples/digits.py --num-processes 2 --epochs 10
+    python examples/digits.py --epochs 10
     tensorboard --logdir runs          # the curves: loss, learning rate, test accuracy
 
-The same script runs on one process, on several CPU processes or GPUs, and under torchrun.
-The data set ships with scikit-learn: nothing is downloaded. Rank 0 logs the training loss and
-learning rate every step and the test accuracy every epoch to TensorBoard and a CSV file under
-runs/digits/ (or to the trackers chosen by --log-with, `accelkit launch --log-with`, ...).
+The same script runs unchanged on a CPU-only machine (2 CPU processes), on one GPU or on
+several (one process per visible GPU), and under torchrun or `accelkit launch`;
+``--num-processes N`` and ``--cpu`` choose otherwise. The data set ships with scikit-learn:
+nothing is downloaded. Rank 0 logs the training loss and learning rate every step and the test
+accuracy every epoch to TensorBoard and a CSV file under runs/digits/ (or to the trackers chosen
+by --log-with, `accelkit launch --log-with`, ...).
 """
 
 from __future__ import annotations
@@ -95,9 +97,15 @@ def train(
     return accuracy
 
 
+def default_num_processes(cpu: bool) -> int:
+    """One process per visible GPU; 2 CPU processes where there is none (or with --cpu)."""
+    return (0 if cpu else torch.cuda.device_count()) or 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--num-processes", type=int, default=None, help="default: one per GPU, else 2 on the CPU")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU processes even where GPUs are visible")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -108,8 +116,9 @@ def main() -> None:
     accuracy = ak.launch(
         train,
         (args.epochs, args.batch_size, args.lr, 0, args.log_with),
-        num_processes=args.num_processes,
+        num_processes=args.num_processes or default_num_processes(args.cpu),
         precision=args.precision,
+        cpu=args.cpu or None,  # None: ACCELKIT_CPU or the config file decide
         project_dir=args.project_dir,
     )
     ak.print(f"test accuracy: {accuracy:.3f}")  # once, also under `accelkit launch`

@@ -196,7 +196,7 @@ def zero_step() -> float:
 def test_zero_stage_2_trains_through_accelkit() -> None:
     from accelkit.testing import run_distributed
 
-    deltas = run_distributed(zero_step, num_processes=1, cpu=False, strategy="deepspeed")  # the default: ZeRO-2
+    deltas = run_distributed(zero_step, num_processes=1, device="cuda", strategy="deepspeed")  # the default: ZeRO-2
     assert deltas[0] < 0  # the loss went down
 
 

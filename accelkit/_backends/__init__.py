@@ -5,13 +5,33 @@ Call sites ask the chosen backend; they never branch on the kind of hardware.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
+from .. import _env
+from ..errors import ConfigurationError
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 from .unsupported import MPSBackend, XLABackend, XPUBackend
+
+
+class BatchTransfer(Protocol):
+    """How a prepared loader moves batches onto its device, one batch ahead of their use.
+
+    The loader calls :meth:`start` on batch ``i + 1`` right after :meth:`finish` on batch
+    ``i`` and before handing batch ``i`` out, so that the copy of the next batch runs while
+    the current one computes.
+    """
+
+    def start(self, batch: Any) -> Any:
+        """Begin moving ``batch`` (a tree of tensors) to the device; a handle for :meth:`finish`."""
+        ...
+
+    def finish(self, handle: Any) -> Any:
+        """The moved batch, safe to use on the device's current stream from now on."""
+        ...
 
 
 class Backend(Protocol):
@@ -34,10 +54,35 @@ class Backend(Protocol):
 
     def empty_cache(self) -> None: ...
 
+    def batch_transfer(self, device: torch.device) -> BatchTransfer | None:
+        """How prepared loaders move batches to ``device``; None: they are there already (the CPU)."""
+        ...
+
+    def read_later(self, flag: torch.Tensor) -> bool | Callable[[], bool]:
+        """Whether ``flag`` is nonzero: now where reading costs no wait (host memory), else a reader for later.
+
+        The reader gives the value ``flag`` has at this point of the device's work: calling it
+        waits, at most, for the work queued before this call, never for what was queued after.
+        """
+        ...
+
 
 def select_backend(cpu: bool = False) -> Backend:
-    """The first available backend in order CUDA, XPU, MPS, XLA, else CPU (``cpu`` forces CPU)."""
-    if not cpu:
+    """The first available backend in order CUDA, XPU, MPS, XLA, else CPU (``cpu`` forces CPU).
+
+    In the workers of ``accelkit.testing`` its device choice wins: ``"cpu"`` whatever ``cpu``
+    says, ``"cuda"`` every local rank on the one visible GPU, over gloo.
+    """
+    pinned = _env.test_device()
+    if pinned == "cuda":
+        shared = CUDABackend(shared=True)
+        if not shared.is_available():
+            raise ConfigurationError(
+                f"{_env.TEST_DEVICE}=cuda (accelkit.testing device='cuda'), but torch sees no CUDA device; "
+                f"use device='cpu', or skip the test without one: @pytest.mark.skipif(not torch.cuda.is_available())"
+            )
+        return shared
+    if not cpu and pinned is None:
         for candidate in (CUDABackend(), XPUBackend(), MPSBackend(), XLABackend()):
             if candidate.is_available():
                 return candidate
@@ -60,4 +105,4 @@ def local_device_count(cpu: bool = False) -> int:
     return 1 if cpu else max(1, accelerator_count())
 
 
-__all__ = ["Backend", "accelerator_count", "local_device_count", "select_backend"]
+__all__ = ["Backend", "BatchTransfer", "accelerator_count", "local_device_count", "select_backend"]

@@ -1,15 +1,36 @@
+"""NVIDIA GPUs: one device per local rank over nccl, or, for tests, every rank on cuda:0 over gloo.
+
+The CUDA-only parts of the hot path live here, so that call sites stay free of device checks:
+how a prepared loader copies batches (pinned host memory, non-blocking copies on a side stream,
+one batch ahead) and how a flag on the device is read without stalling it.
+"""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .. import _tree
 from ..errors import ConfigurationError
+from .cpu import is_set
+
+__all__ = ["CUDABackend", "CUDATransfer"]
 
 
 class CUDABackend:
+    """CUDA devices. ``shared``: every local rank on cuda:0 with gloo (``accelkit.testing``'s device="cuda").
+
+    gloo moves CUDA tensors through host memory, so several ranks can share one GPU; nccl cannot
+    (it refuses two ranks on one device).
+    """
+
     name = "cuda"
-    dist_backend = "nccl"
+
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared
+        self.dist_backend = "gloo" if shared else "nccl"
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -18,19 +39,88 @@ class CUDABackend:
         return torch.cuda.device_count()
 
     def device(self, local_rank: int) -> torch.device:
+        index = 0 if self.shared else local_rank
         count = self.device_count()
-        if local_rank >= count:
+        if index >= count:
             raise ConfigurationError(
-                f"local rank {local_rank} needs cuda:{local_rank}, but {count} CUDA "
-                f"device(s) are visible; start at most {count} process(es) per node, "
-                f"or pass cpu=True (ACCELKIT_CPU=1) to run on the CPU"
+                f"local rank {local_rank} needs cuda:{local_rank}, but {count} CUDA device(s) are visible; "
+                f"start at most {count} process(es) per node, or run on the CPU: --cpu (accelkit launch and "
+                f"the examples), cpu=True in code, or ACCELKIT_CPU=1"
             )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
 
     def barrier_kwargs(self, device: torch.device) -> dict[str, Any]:
-        return {"device_ids": [device.index]}
+        return {} if self.shared else {"device_ids": [device.index]}  # device_ids: nccl's
 
     def empty_cache(self) -> None:
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()
+
+    def batch_transfer(self, device: torch.device) -> CUDATransfer:
+        return CUDATransfer(device)
+
+    def read_later(self, flag: torch.Tensor) -> bool | Callable[[], bool]:
+        if flag.device.type != "cuda":
+            return is_set(flag)
+        stream = torch.cuda.current_stream(flag.device)
+        # A non-blocking copy into pinned memory, and an event after it: reading waits for this
+        # point of the stream only (cudaEventSynchronize), while the work queued later runs on.
+        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record(stream)
+
+        def read() -> bool:
+            copied.synchronize()
+            return is_set(host)
+
+        return read
+
+
+class CUDATransfer:
+    """Batches to one CUDA device: from pinned host memory, copied on a side stream, ahead of use.
+
+    ``start`` pins host tensors that are not pinned yet (a loader with ``pin_memory=True``
+    already did) and issues ``non_blocking`` copies on this transfer's own stream, so that they
+    overlap the kernels of the step before. ``finish`` makes the current stream wait for those
+    copies (``wait_stream``) and marks each copy as used on it (``record_stream``), so that the
+    caching allocator does not hand its memory to the side stream again before the step that
+    reads it is done. Tensors already on the device pass through untouched.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: torch.cuda.Stream | None = None  # made on first use: preparing a loader creates no stream
+
+    def start(self, batch: Any) -> tuple[Any, list[torch.Tensor]]:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream = self.stream
+        copies: list[torch.Tensor] = []
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            if t.device == self.device:
+                return t
+            if t.device.type == "cpu":
+                if not t.is_pinned():
+                    t = t.pin_memory()  # a copy from pageable memory would block the host
+            else:  # another GPU's tensor: copy it once the work that made it is done
+                stream.wait_stream(torch.cuda.current_stream(t.device))
+                t.record_stream(stream)
+            moved = t.to(self.device, non_blocking=True)
+            copies.append(moved)
+            return moved
+
+        with torch.cuda.stream(stream):
+            moved = _tree.apply_to_tensors(copy, batch)
+        return moved, copies
+
+    def finish(self, handle: tuple[Any, list[torch.Tensor]]) -> Any:
+        batch, copies = handle
+        if copies:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)  # type: ignore[arg-type]
+            for t in copies:
+                t.record_stream(current)
+        return batch

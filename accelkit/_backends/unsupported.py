@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigurationError
+from .cpu import is_set
 
 
 class _Unsupported:
@@ -32,6 +33,12 @@ class _Unsupported:
 
     def empty_cache(self) -> None:
         pass
+
+    def batch_transfer(self, device: torch.device) -> None:
+        return None  # never reached: device() refuses first
+
+    def read_later(self, flag: torch.Tensor) -> bool:
+        return is_set(flag)
 
 
 class XPUBackend(_Unsupported):

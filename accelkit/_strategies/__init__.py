@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 
     from .._options import Options
 
-__all__ = ["Setup", "Strategy", "select_strategy"]
+__all__ = ["Setup", "Skipped", "Strategy", "select_strategy"]
 
 # What Strategy.setup returns: the models, optimizers and schedulers to hand back (in order).
 Setup = tuple[list[Any], list[Any], list[Any]]
+# Whether a real optimizer step was skipped (fp16 overflow): known (a bool), or still on the device
+# (a tensor, nonzero when skipped: read it only when asked); None on accumulation micro-steps.
+Skipped: TypeAlias = "bool | torch.Tensor | None"
 
 
 class Strategy(Protocol):
@@ -58,8 +61,11 @@ class Strategy(Protocol):
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, scaler: Any, closure: Callable[[], float] | None, *, boundary: bool
-    ) -> tuple[float | None, bool | None]:
-        """Step ``optimizer`` (on a boundary); the closure's loss and whether the step was skipped."""
+    ) -> tuple[float | None, Skipped]:
+        """Step ``optimizer`` (on a boundary); the closure's loss and whether the step was skipped.
+
+        Adds no host-device synchronisation: a skip still decided on the device comes back as a tensor.
+        """
         ...
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None: ...

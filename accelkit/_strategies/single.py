@@ -13,9 +13,21 @@ import torch
 from torch import nn
 
 from .._options import Options
-from . import Setup
+from . import Setup, Skipped
 
-__all__ = ["SingleProcess", "holds_dtensors"]
+__all__ = ["SingleProcess", "StepCalls", "holds_dtensors"]
+
+
+class StepCalls:
+    """How many times an optimizer's ``step()`` ran (an optimizer post-step hook counts)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.count += 1
 
 
 class SingleProcess:
@@ -28,6 +40,7 @@ class SingleProcess:
         self.options = options
         self.device = device
         self._no_sync_depth: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._calls: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepCalls] = weakref.WeakKeyDictionary()
 
     def setup(
         self,
@@ -71,19 +84,54 @@ class SingleProcess:
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, scaler: Any, closure: Callable[[], float] | None, *, boundary: bool
-    ) -> tuple[float | None, bool | None]:
+    ) -> tuple[float | None, Skipped]:
+        """Step through the fp16 scaler, adding no host-device synchronisation to what the scaler does.
+
+        Whether the step was skipped comes without reading the device: a plain optimizer's
+        ``step()`` is not called at all on an overflow (a step hook counts the calls; GradScaler
+        itself read the overflow flag to decide); an optimizer that skips on the device (fused
+        Adam/AdamW/SGD, ``_step_supports_amp_scaling``) always runs, and its overflow flag comes
+        back as a device tensor, read only by whoever asks.
+        """
         if not boundary:
             return None, None
         if scaler is None:
             return optimizer.step(closure), False
-        scale = scaler.get_scale()
-        loss = scaler.step(optimizer, closure)
+        if closure is not None:
+            raise ValueError(
+                f"optimizer.step(closure) under fp16: the grad scaler cannot re-evaluate a closure (it would see "
+                f"scaled gradients); step {type(optimizer).__name__} without one, or use precision='bf16' or 'no'"
+            )
+        if getattr(optimizer, "_step_supports_amp_scaling", False):  # GradScaler always calls its step()
+            loss = scaler.step(optimizer)
+            # Read before update(), which forgets it: the flag the step skipped on, one per device.
+            flags = list(scaler._found_inf_per_device(optimizer).values())
+            scaler.update()
+            if len(flags) <= 1:
+                return loss, flags[0] if flags else False  # none: a disabled scaler, nothing skipped
+            return loss, torch.stack([f.to(flags[0].device) for f in flags]).sum()
+        calls = self._step_calls(optimizer)
+        before = calls.count
+        loss = scaler.step(optimizer)
         scaler.update()
-        return loss, scaler.get_scale() < scale
+        return loss, calls.count == before  # GradScaler calls step() unless it found inf/NaN gradients
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
         if boundary:
             optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _step_calls(self, optimizer: torch.optim.Optimizer) -> StepCalls:
+        """A counter of ``optimizer.step()`` calls, kept by a post-step hook registered once.
+
+        The hook goes with this strategy (a new process state registers its own): it is removed
+        when the strategy is garbage collected.
+        """
+        calls = self._calls.get(optimizer)
+        if calls is None:
+            calls = self._calls[optimizer] = StepCalls()
+            handle = optimizer.register_step_post_hook(calls.hook)
+            weakref.finalize(self, handle.remove)
+        return calls
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         wrappers = _wrapper_types()

@@ -311,8 +311,7 @@ def _plan(
         order_generator=order_generator,
         epoch_target=epoch_target if callable(getattr(epoch_target, "set_epoch", None)) else None,
         rank=st.rank,
-        device=None if st.device.type == "cpu" else st.device,
-        non_blocking=loader.pin_memory and st.device.type == "cuda",
+        transfer=st.hardware.batch_transfer(st.device) if st.hardware is not None else None,
         ragged=st.world_size > 1 and ragged,
         lookahead=lookahead,
     )

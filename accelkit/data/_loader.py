@@ -4,6 +4,14 @@ While a prepared loader is iterated, an :class:`ActiveLoader` entry for it sits 
 ``_state.training.active_loaders`` (innermost last): ``ak.accumulate`` reads its
 ``at_last_batch``, ``ak.gather_for_metrics`` its ``padding``. The entry leaves when the
 iteration ends, raises, or is closed (a ``break`` drops the iterator).
+
+Device moves: on the CPU there are none. Elsewhere the hardware backend's transfer moves each
+batch, and the loader reads one batch ahead: batch ``i + 1`` is loaded and its copy issued
+before batch ``i`` is handed out, so that on CUDA the copy overlaps batch ``i``'s step. Which
+batches come, in which order, and the bookkeeping (last batch, padding, position for
+``state_dict``) count the batches handed out, not the one read ahead. The read-ahead batch is
+loaded one step early: a map-style dataset that draws from the global RNG in the main process
+(``num_workers=0``) draws for it before the step, not after.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .. import _state, _tree
+from .. import _state
+from .._backends import BatchTransfer
 from ._sampling import EpochRecord, ShardedBatchSampler, ShardedIterable
 
 __all__ = ["ActiveLoader", "LoaderPlan", "PreparedDataLoader"]
@@ -52,8 +61,7 @@ class LoaderPlan:
     order_generator: torch.Generator | None  # draws the epoch's order: the same on every rank
     epoch_target: Any  # the user's sampler or dataset with set_epoch(), or None
     rank: int
-    device: torch.device | None  # None: batches are already there (CPU)
-    non_blocking: bool
+    transfer: BatchTransfer | None  # moves batches to the device; None: they are there already (CPU)
     ragged: bool
     lookahead: bool  # iterable dataset in DataLoader workers: find the last batch by reading ahead
     # The order generator continues from the user's generator, epoch after epoch, as a plain
@@ -138,18 +146,15 @@ class PreparedDataLoader(DataLoader[Any]):
         entry = ActiveLoader(plan.ragged)
         active = _state.training.active_loaders
         active.append(entry)
-        device, non_blocking = plan.device, plan.non_blocking
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
+        if plan.transfer is not None:
+            batches = _ahead(batches, plan.transfer)
         try:
             for batch in batches:
                 n += 1
                 if n == record.num_batches:
                     entry.at_last_batch, entry.padding, entry.global_size = True, record.padding, record.global_size
                 self._yielded = n
-                yield batch if plan.device is None else _tree.apply_to_tensors(move, batch)
+                yield batch
             self._running = False
         finally:  # also on an exception, and on close() / garbage collection after a break
             for i in range(len(active) - 1, -1, -1):
@@ -193,6 +198,17 @@ def _joined(batches: Iterator[Any], joinables: list[Any]) -> Iterator[Any]:
 
     with Join(joinables):
         yield from batches
+
+
+def _ahead(batches: Iterator[Any], transfer: BatchTransfer) -> Iterator[Any]:
+    """``batches`` moved by ``transfer``, each copy started one batch before it is handed out."""
+    following = next(batches, _END)
+    pending = transfer.start(following) if following is not _END else _END
+    while pending is not _END:
+        ready = transfer.finish(pending)  # before the next copy starts: the step waits for this batch only
+        following = next(batches, _END)
+        pending = transfer.start(following) if following is not _END else _END
+        yield ready
 
 
 def _mark_last(batches: Iterator[Any], record: EpochRecord) -> Iterator[Any]:

@@ -1,4 +1,15 @@
-"""What ``ak.prepare`` wraps optimizers and LR schedulers in."""
+"""What ``ak.prepare`` wraps optimizers and LR schedulers in.
+
+Whether an fp16 step was skipped is never read from the device on the step path. A plain
+optimizer's skip is known on the host (GradScaler did not call its ``step()``); an optimizer that
+skips on the device (fused Adam/AdamW/SGD) leaves a device flag, read only when asked:
+``step_was_skipped`` reads it at once (the host waits for the device). A prepared scheduler
+reads it at once where that costs no wait (the CPU: host memory); on a GPU it reads it at the
+next optimizer step, through a copy the device makes after this step, so that the host waits
+for this step's flag at most, never for the work queued after it. Until then that scheduler's
+step is pending: the next ``optimizer.step()``, and reading the scheduler or the prepared
+optimizer's ``param_groups`` / ``state_dict()``, apply it first.
+"""
 
 from __future__ import annotations
 
@@ -20,16 +31,44 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no super().__init__: a view
         self.optimizer = optimizer
-        self.step_was_skipped = False
+        self._skipped: bool | torch.Tensor = False  # the last real step's outcome; a tensor: still on the device
+        self._pending: list[Callable[[], None]] = []  # scheduler steps waiting for that outcome
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last real step was skipped (fp16 overflow).
+
+        With an optimizer that skips on the device (fused) the first read after a step waits
+        for the device to finish that step: read it when you need it, not on every step.
+        """
+        if isinstance(self._skipped, torch.Tensor):
+            self._skipped = bool(self._skipped.any())
+        return self._skipped
+
+    def _outcome(self) -> bool | torch.Tensor:
+        """The last real step's skip, as it stands: a bool, or a device flag not read yet."""
+        return self._skipped
+
+    def _defer(self, apply: Callable[[], None]) -> None:
+        """Run ``apply`` before this optimizer's next step, or before its state is next read."""
+        self._pending.append(apply)
+
+    def _apply_pending(self) -> None:
+        """Apply the scheduler steps that wait for the last step's outcome (reads that flag)."""
+        pending, self._pending = self._pending, []
+        for apply in pending:
+            apply()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if self._pending:
+            self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
         strategy = _state.strategy()
         loss, skipped = strategy.optimizer_step(
             self.optimizer, training.scaler, closure, boundary=training.sync_gradients
         )
         if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
-            self.step_was_skipped = skipped
+            self._skipped = skipped
             training.unscaled = False
         return loss
 
@@ -38,6 +77,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        if self._pending:
+            self._apply_pending()  # so that the learning rates read are the scheduled ones
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -61,12 +102,15 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = defaults
 
     def state_dict(self) -> dict[str, Any]:
+        self._apply_pending()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._apply_pending()  # then the loaded state replaces what they changed
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._apply_pending()
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -78,31 +122,66 @@ class PreparedScheduler:
 
     It does nothing on accumulation micro-steps and when the optimizer skipped its step
     (fp16 overflow), so size schedules in optimizer steps: from the *prepared* loader's
-    ``len()`` divided by the accumulation steps.
+    ``len()`` divided by the accumulation steps. When the optimizer skips on a GPU (fused,
+    fp16), ``step()`` is applied at the optimizer's next step instead (or when the scheduler
+    or the prepared optimizer's ``param_groups`` is read first), so that it never makes the
+    host wait for the device.
     """
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        self._pending: tuple[Callable[[], bool], tuple[Any, ...], dict[str, Any]] | None = None
+        hardware = _state.get().hardware  # this process's, for as long as its optimizer is prepared
+        self._read_later: Callable[[torch.Tensor], bool | Callable[[], bool]] = (
+            hardware.read_later if hardware is not None else _read_now
+        )
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
         if not training.sync_gradients or _state.strategy().owns_schedulers:
             return
+        if self._pending is not None:
+            self._apply_pending()
         target = self.scheduler.optimizer  # the user's optimizer or its prepared wrapper
         for opt in training.optimizers:
-            if (opt is target or opt.optimizer is target) and opt.step_was_skipped:
-                return
+            if opt is target or opt.optimizer is target:
+                outcome = opt._outcome()
+                if isinstance(outcome, torch.Tensor):  # decided on the device
+                    read = self._read_later(outcome)
+                    if not isinstance(read, bool):  # reading it now would wait for the device: later
+                        self._pending = (read, args, kwargs)
+                        opt._defer(self._apply_pending)
+                        return
+                    outcome = opt._skipped = read
+                if outcome:
+                    return
         self.scheduler.step(*args, **kwargs)
 
+    def _apply_pending(self) -> None:
+        """Apply a step that waited for its optimizer step's outcome (unless that step was skipped)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            skipped, args, kwargs = pending
+            if not skipped():
+                self.scheduler.step(*args, **kwargs)
+
     def state_dict(self) -> dict[str, Any]:
+        self._apply_pending()
         return self.scheduler.state_dict()  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._apply_pending()
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
-        # get_last_lr(), last_epoch, optimizer, ...: the wrapped scheduler's
+        # get_last_lr(), last_epoch, optimizer, ...: the wrapped scheduler's, up to date
+        if self.__dict__.get("_pending") is not None:
+            self._apply_pending()
         return getattr(self.__dict__["scheduler"], name)
 
     def __repr__(self) -> str:
         return f"PreparedScheduler({self.scheduler!r})"
+
+
+def _read_now(flag: torch.Tensor) -> bool:  # a state built by hand (tests) has no hardware backend
+    return bool(flag.any())

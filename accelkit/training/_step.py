@@ -173,7 +173,7 @@ def clip_grad_norm_(
     training = _state.training
     if not training.sync_gradients:
         norm = _total_norm(params, norm_type)
-        return norm / training.scaler.get_scale() if training.scaler is not None else norm
+        return norm / _scale(training.scaler) if training.scaler is not None else norm
     _unscale_once()
     norm = _total_norm(params, norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -259,6 +259,12 @@ def unwrap(model: nn.Module, keep_precision: bool = False) -> nn.Module:
             else MixedPrecisionModule(model, precision.mode, precision.device_type)
         )
     return model
+
+
+def _scale(scaler: Any) -> torch.Tensor | float:
+    """The grad scaler's current scale, as its device tensor where it has one (no host-device sync)."""
+    scale: torch.Tensor | None = scaler._get_scale_async()  # get_scale() would read it back to the host
+    return scale if scale is not None else float(scaler.get_scale())
 
 
 def _unscale_once() -> None:
