@@ -16,11 +16,21 @@ from accelkit.testing import WorkerPool
 
 # A config file of the machine's user must not change what the tests see; tests that need one set it.
 os.environ["ACCELKIT_CONFIG_FILE"] = ""
+# The tests run in this process, in the pool's workers and in the subprocesses they start test CPU
+# behaviour, the same on every machine: the state's device is the CPU. The CUDA paths have tests of
+# their own, marked `gpu` (skipped without CUDA, run last, their CUDA work in workers or with
+# ACCELKIT_CPU unset), so that nothing initialises CUDA in this process before a test that forks.
+os.environ["ACCELKIT_CPU"] = "1"
 # Workers started by the tests share two cores: one thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 # multiprocessing's helper process lives for the whole session; start it before any test.
 multiprocessing.resource_tracker.ensure_running()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` last: one that initialises CUDA here would stop later tests from forking."""
+    items.sort(key=lambda item: item.get_closest_marker("gpu") is not None)
 
 
 def _children() -> set[int]:

@@ -58,6 +58,7 @@ def test_the_scripts_arguments_pass_through_untouched() -> None:
 
 
 def test_flag_over_environment_over_config_over_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELKIT_CPU")  # the suite's CPU pin is one more variable: these layers are the test's
     config = _write(
         tmp_path / "c.yaml",
         "precision: fp16\ngradient_accumulation_steps: 2\ndebug: true\nnum_processes: 3\nrdzv_timeout: 60\n",
@@ -81,13 +82,17 @@ def test_flag_over_environment_over_config_over_default(tmp_path: Path, monkeypa
 def test_the_config_file_variable_is_read_and_gpu_ids_restrict_the_devices(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("ACCELKIT_CPU")
     monkeypatch.setenv("ACCELKIT_CONFIG_FILE", _write(tmp_path / "c.yaml", "strategy: fsdp\ngpu_ids: 1,3\n"))
     plan = _plan(PROBE)
     assert plan.options == {"strategy": "fsdp"} and plan.flags == ()
     assert plan.worker_env()["CUDA_VISIBLE_DEVICES"] == "1,3"
 
 
-def test_an_accelerate_config_is_read_and_its_ignored_keys_noted(tmp_path: Path) -> None:
+def test_an_accelerate_config_is_read_and_its_ignored_keys_noted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ACCELKIT_CPU")
     config = _write(
         tmp_path / "accelerate.yaml",
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 2\nmachine_rank: 1\n"
@@ -204,7 +209,7 @@ def test_mpirun_other_than_open_mpi_is_refused(
 
 def _env(report_dir: Path | None = None, threads: str | None = "1") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_", "OMP_NUM_THREADS"))}
-    env.update(ACCELKIT_CONFIG_FILE="", PYTHONPATH=str(ROOT))
+    env.update(ACCELKIT_CONFIG_FILE="", PYTHONPATH=str(ROOT), ACCELKIT_CPU="1")  # CPU ranks on every machine
     if report_dir is not None:
         env["REPORT_DIR"] = str(report_dir)
     if threads is not None:

@@ -402,7 +402,10 @@ def test_ranks_with_different_batch_sizes_are_refused(pool: WorkerPool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_real_cuda_out_of_memory_error_is_retried_down_to_the_largest_size_that_fits(retries: Records) -> None:
+def test_a_real_cuda_out_of_memory_error_is_retried_down_to_the_largest_size_that_fits(
+    retries: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ACCELKIT_CPU")  # the state's device is the GPU: its cache is emptied between retries
     free_mib = torch.cuda.mem_get_info()[0] / 2**20
     start = 2 ** math.ceil(math.log2(4 * free_mib))  # 1 MiB rows: the first attempt needs 6 times what is free
     baseline = torch.cuda.memory_allocated()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_"))}
-    env.update(OMP_NUM_THREADS="1", **extra)
+    env.update(OMP_NUM_THREADS="1", ACCELKIT_CPU="1", **extra)  # launcher worlds of CPU ranks, on every machine
     return env
 
 

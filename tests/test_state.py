@@ -168,6 +168,10 @@ def test_adopts_a_group_the_user_created() -> None:
 
 
 def test_unsupported_accelerator_says_what_is_missing(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELKIT_CPU")  # the accelerator is looked for only when the CPU is not asked for
+    from accelkit._backends.cuda import CUDABackend
+
+    monkeypatch.setattr(CUDABackend, "is_available", lambda self: False)  # a GPU machine, too, looks further
     fake = os.path.join(str(tmp_path), "torch_xla")
     os.makedirs(fake)
     open(os.path.join(fake, "__init__.py"), "w").close()
@@ -180,6 +184,7 @@ def test_unsupported_accelerator_says_what_is_missing(tmp_path: object, monkeypa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_device_and_backend() -> None:
+def test_cuda_device_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELKIT_CPU")  # the suite pins the CPU; this test is about the GPU
     st = ak.state()
     assert st.device == torch.device("cuda", 0) and st.backend == "nccl"
