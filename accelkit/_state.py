@@ -21,7 +21,7 @@ from . import _env, _frames
 from ._backends import Backend, select_backend
 from ._options import INIT_LAUNCH_NAMES, InitOptions, Options
 from .config import resolve
-from .errors import ConfigurationError, StateError
+from .errors import StateError
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -116,6 +116,27 @@ class GroupState:
     prefix: str = "accelkit"
     agreements: int = 0
     previous_agreement: str = ""
+    # Collectives (see collectives/_wire.py). Every rank updates these alike, from what all ranks sent.
+    seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
+    chain: int = 0  # a running digest of the headers of every collective so far
+    slot_sizes: dict[int, int] = field(default_factory=dict)  # learned first-message sizes, by the previous call
+    last_key: int = 0  # the previous two-way collective's key into slot_sizes
+    buffers: dict[str, Any] = field(default_factory=dict)  # reusable slot buffers, by role (see collectives/_wire)
+    closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
+    alarm: str = ""  # set by the heartbeat: the ranks wait in different calls (a table); the wait gives up
+    # Where this rank is, read by the heartbeat thread; the collectives only write these.
+    op: str = ""  # the current or last collective
+    entered: float = 0.0  # time.monotonic() when the current collective began; 0.0 between collectives
+    finished: float = 0.0  # time.monotonic() when the last one ended
+    thread: int = 0  # the thread that called it
+    call: Any = None  # the current collective (its signature() and describe()), for the heartbeat
+    store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
+    board: str = ""  # the key prefix of positions and reports in that store (see _group)
+    heartbeat: Any = None  # the heartbeat thread (see _group)
+
+    def restart_collectives(self) -> None:
+        """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
+        self.seq, self.chain, self.last_key, self.slot_sizes, self.buffers = 0, 0, 0, {}, {}
 
 
 _lock = threading.RLock()
@@ -127,6 +148,7 @@ _origin = ""  # where the state was created, for error messages
 _owns_group = False  # whether accelkit created the process group (and so destroys it)
 _exit_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
+warned: set[str] = set()  # warnings given once per process (they outlive reset_state)
 
 _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them
 
@@ -201,8 +223,10 @@ def reset_state() -> None:
     """
     global _state, _owns_group, breakpoint_requested, training, group
     with _lock:
-        if _current() is not None and _owns_group:
-            _destroy_group()
+        if _current() is not None:
+            _stop_upkeep()
+            if _owns_group:
+                _destroy_group()
         _state, _owns_group, breakpoint_requested = None, False, False
         training, group = TrainingState(), GroupState()
 
@@ -234,10 +258,12 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        launch = _adopt(launch, dist)
+        from . import _group
+
+        launch = _group.adopt(launch)
         backend = str(dist.get_backend())
     elif launch.world_size > 1:
-        _init_group(launch, backend, options.timeout, launch_opts)
+        store, address = _init_group(launch, backend, options.timeout, launch_opts)
         owns = True
     from ._strategies import select_strategy
 
@@ -257,72 +283,52 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], reason: str) 
         strategy=select_strategy(options, launch.world_size, device),
         sources=dict(resolved.sources),
     )
-    _state, _owns_group, _origin = st, owns, f"{_frames.call_site()} ({reason})"
     if owns:
+        try:
+            from . import _group
+
+            _group.start_upkeep(st, store, address, group)
+        except BaseException:
+            _stop_upkeep()
+            _destroy_group()
+            raise
+    _state, _owns_group, _origin = st, owns, f"{_frames.call_site()} ({reason})"
+    if st.distributed:
         _register_exit_hook()
     return st
 
 
-def _adopt(launch: _env.LaunchEnv, dist: Any) -> _env.LaunchEnv:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if launch.launcher == "none":
-        return _env.LaunchEnv("user", rank, world, rank, world, 0, 1)
-    if (launch.rank, launch.world_size) != (rank, world):
-        raise StateError(
-            f"the existing process group says rank {rank} of {world}, but the {launch.launcher} "
-            f"variables say rank {launch.rank} of {launch.world_size}; create the group with "
-            f"the launcher's RANK and WORLD_SIZE, or let accelkit create it"
-        )
-    return launch
+def _stop_upkeep() -> None:
+    if group.heartbeat is not None:
+        group.heartbeat.stop()
+    group.heartbeat = group.store = None
 
 
-def _init_group(launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any]) -> None:
+def close_group(reason: str) -> None:
+    """Refuse every later collective with ``reason``, and destroy the group if accelkit formed it.
+
+    For a rank that found the ranks out of step where no other rank can tell (a broadcast is
+    one-way): the others' current or next collective then fails at once instead of waiting.
+    """
+    with _lock:
+        group.closed = reason
+        if _owns_group:
+            _destroy_group()
+
+
+def _init_group(
+    launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any]
+) -> tuple[Any, tuple[str, int]]:
     global _generation
-    import torch.distributed as dist
+    from . import _group
 
-    addr = launch.master_addr or launch_opts.get("master_addr")
-    port = launch.master_port or launch_opts.get("master_port")
-    if addr is None:
-        if launch.num_nodes > 1:
-            raise ConfigurationError(
-                f"rank {launch.rank}: {launch.launcher} started {launch.num_nodes} nodes but "
-                f"MASTER_ADDR is not set; export MASTER_ADDR=<address of the rank-0 node>"
-            )
-        addr = "127.0.0.1"
-    if port is None:
-        if launch.launcher in ("openmpi", "pmi", "slurm"):
-            port = 29500  # torch's conventional default; set MASTER_PORT to choose another
-        else:
-            raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
     # The elastic agent's store outlives a restart, and this process may form a group again after
     # reset_state: each attempt and each group gets its own key prefix.
     prefix = f"accelkit/attempt{launch.restart_count}/group{_generation}"
-    try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            str(addr),
-            int(port),
-            launch.world_size,
-            is_master=launch.rank == 0 and not launch.agent_store,
-            timeout=timedelta(seconds=timeout),
-        )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timedelta(seconds=timeout),
-        )
-    except Exception as exc:
-        raise StateError(
-            f"rank {launch.rank} of {launch.world_size} could not join the {backend} process "
-            f"group at {addr}:{port} within {timeout:g} s: {exc}. Check that every rank was "
-            f"started and that MASTER_ADDR/MASTER_PORT agree across them."
-        ) from exc
+    store, address = _group.form(launch, backend, timeout, launch_opts, prefix)
     _generation += 1
     group.prefix = prefix
-
-
-# --- reform_group: used by accelkit.memory after a rank ran out of memory mid-collective ---------
+    return store, address
 
 
 def reform_group(store: Any, prefix: str) -> None:
@@ -339,6 +345,7 @@ def reform_group(store: Any, prefix: str) -> None:
         st = get()
         if dist.is_initialized():
             dist.destroy_process_group()
+        group.restart_collectives()
         try:
             dist.init_process_group(
                 st.backend,
@@ -352,9 +359,6 @@ def reform_group(store: Any, prefix: str) -> None:
                 f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
                 f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
             ) from exc
-
-
-# --- end of reform_group ---------------------------------------------------------------------
 
 
 def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
@@ -378,6 +382,14 @@ def _destroy_group() -> None:
 def _register_exit_hook() -> None:
     global _exit_hook_registered
     if not _exit_hook_registered:
-        # Tearing the group down before interpreter exit avoids gloo's SIGABRT at shutdown.
-        atexit.register(reset_state)
+        atexit.register(_at_exit)
         _exit_hook_registered = True
+
+
+def _at_exit() -> None:
+    # A process group still alive when the interpreter exits is destroyed by C++ static destructors,
+    # with its gloo threads still joinable: std::terminate, SIGABRT ("terminate called without an
+    # active exception"), now and then, after a run that succeeded. So every group goes before
+    # that, also one the user created and accelkit adopted: nothing can use it after exit.
+    reset_state()
+    _destroy_group()

@@ -20,7 +20,7 @@ from .._state import ProcessState
 from ..errors import DistributedOperationError
 from . import _exchange
 
-__all__ = ["check"]
+__all__ = ["check", "leaf_text"]
 
 _RULES = {
     "gather": "every process must pass the same structure, dtypes and shapes; to gather tensors whose "
@@ -68,7 +68,7 @@ def _describe(
     if problem is not None or leaves is None or spec is None:
         error = f"{type(problem).__name__}: {problem}" if problem is not None else None
         return {"op": op, "args": args, "structure": None, "key": (), "text": "", "error": error}
-    texts = [_leaf_text(x) for x in leaves]
+    texts = [leaf_text(x) for x in leaves]
     key = []
     for x in leaves:
         shape: list[int | None] = list(x.shape)
@@ -80,7 +80,8 @@ def _describe(
             "leaf_texts": texts, "error": None}  # fmt: skip
 
 
-def _leaf_text(x: torch.Tensor) -> str:
+def leaf_text(x: torch.Tensor) -> str:
+    """A tensor as the tables show it: ``float32 [2, 3]``."""
     return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
 
 

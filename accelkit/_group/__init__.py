@@ -1,0 +1,25 @@
+"""The process group's own upkeep: the handshake when it forms, the heartbeat while it lives.
+
+Everything here goes through the job's key-value store (the one the group was formed on), never
+through the process group itself, so it still works when a collective is stuck or a rank is gone.
+"""
+
+from ._board import Position, describe_missing, post_report, read_positions, read_reports
+from ._form import adopt, form, start_upkeep
+from ._handshake import handshake, job_facts
+from ._heartbeat import Heartbeat, wait_log_interval
+
+__all__ = [
+    "Heartbeat",
+    "Position",
+    "adopt",
+    "describe_missing",
+    "form",
+    "handshake",
+    "job_facts",
+    "post_report",
+    "read_positions",
+    "read_reports",
+    "start_upkeep",
+    "wait_log_interval",
+]

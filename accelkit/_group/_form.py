@@ -1,0 +1,94 @@
+"""Forming a group: its store and process group, then the handshake and this rank's heartbeat."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from .. import _env
+from ..errors import ConfigurationError, StateError
+from ._handshake import handshake, job_facts
+from ._heartbeat import Heartbeat, wait_log_interval
+
+__all__ = ["adopt", "form", "start_upkeep"]
+
+
+def form(
+    launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any], prefix: str
+) -> tuple[Any, tuple[str, int]]:
+    """Join (rank 0: host) the job's store and form the default process group on it, under ``prefix``.
+
+    Returns the store and its address. Raises :class:`ConfigurationError` when the launcher left
+    the address out, :class:`StateError` when the group does not form within ``timeout`` seconds.
+    """
+    import torch.distributed as dist
+
+    addr = launch.master_addr or launch_opts.get("master_addr")
+    port = launch.master_port or launch_opts.get("master_port")
+    if addr is None:
+        if launch.num_nodes > 1:
+            raise ConfigurationError(
+                f"rank {launch.rank}: {launch.launcher} started {launch.num_nodes} nodes but "
+                f"MASTER_ADDR is not set; export MASTER_ADDR=<address of the rank-0 node>"
+            )
+        addr = "127.0.0.1"
+    if port is None:
+        if launch.launcher in ("openmpi", "pmi", "slurm"):
+            port = 29500  # torch's conventional default; set MASTER_PORT to choose another
+        else:
+            raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            str(addr),
+            int(port),
+            launch.world_size,
+            is_master=launch.rank == 0 and not launch.agent_store,
+            timeout=timedelta(seconds=timeout),
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    except Exception as exc:
+        raise StateError(
+            f"rank {launch.rank} of {launch.world_size} could not join the {backend} process "
+            f"group at {addr}:{port} within {timeout:g} s: {exc}. Check that every rank was "
+            f"started and that MASTER_ADDR/MASTER_PORT agree across them."
+        ) from exc
+    return store, (str(addr), int(port))
+
+
+def adopt(launch: _env.LaunchEnv) -> _env.LaunchEnv:
+    """Where this process stands in a process group the user formed (checked against the launcher's variables)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if launch.launcher == "none":
+        return _env.LaunchEnv("user", rank, world, rank, world, 0, 1)
+    if (launch.rank, launch.world_size) != (rank, world):
+        raise StateError(
+            f"the existing process group says rank {rank} of {world}, but the {launch.launcher} "
+            f"variables say rank {launch.rank} of {launch.world_size}; create the group with "
+            f"the launcher's RANK and WORLD_SIZE, or let accelkit create it"
+        )
+    return launch
+
+
+def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> None:
+    """The handshake (every rank the same software and options), then this rank's heartbeat.
+
+    ``st`` is the new ``ProcessState``; ``group`` its ``GroupState``, which gets the heartbeat's
+    store client, the key prefix of the board and the heartbeat thread.
+    """
+    import torch.distributed as dist
+
+    facts = job_facts(st.options, st.world_size)
+    handshake(dist.PrefixStore(f"{group.prefix}/handshake", store), st.rank, st.world_size, facts)  # type: ignore[attr-defined]
+    # The heartbeat's own connection, with a short timeout: a store gone away must not hold it for minutes.
+    client = dist.TCPStore(address[0], address[1], None, False, timedelta(seconds=5), wait_for_workers=False)  # type: ignore[attr-defined]
+    group.store, group.board = client, f"{group.prefix}/board"
+    group.heartbeat = Heartbeat(client, group.board, st.rank, st.world_size, group, wait_log_interval())
+    group.heartbeat.start()
