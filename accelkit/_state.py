@@ -373,10 +373,9 @@ def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
 
 
 def _destroy_group() -> None:
-    import torch.distributed as dist
+    from . import _group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    _group.destroy()
 
 
 def _register_exit_hook() -> None:
@@ -387,9 +386,11 @@ def _register_exit_hook() -> None:
 
 
 def _at_exit() -> None:
-    # A process group still alive when the interpreter exits is destroyed by C++ static destructors,
-    # with its gloo threads still joinable: std::terminate, SIGABRT ("terminate called without an
-    # active exception"), now and then, after a run that succeeded. So every group goes before
-    # that, also one the user created and accelkit adopted: nothing can use it after exit.
+    # A gloo group alive at interpreter exit can abort the process after a run that succeeded:
+    # see _group.destroy_before_exit. Also a group the user created: nothing can use it after exit.
+    from . import _group
+
+    st = _current()
+    models = list(training.models) if st is not None else []
     reset_state()
-    _destroy_group()
+    _group.destroy_before_exit(st.strategy if st is not None else None, models)

@@ -5,7 +5,7 @@ through the process group itself, so it still works when a collective is stuck o
 """
 
 from ._board import Position, describe_missing, post_report, read_positions, read_reports
-from ._form import adopt, form, start_upkeep
+from ._form import adopt, destroy, destroy_before_exit, form, start_upkeep, unpin
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
@@ -14,6 +14,8 @@ __all__ = [
     "Position",
     "adopt",
     "describe_missing",
+    "destroy",
+    "destroy_before_exit",
     "form",
     "handshake",
     "job_facts",
@@ -21,5 +23,6 @@ __all__ = [
     "read_positions",
     "read_reports",
     "start_upkeep",
+    "unpin",
     "wait_log_interval",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -10,7 +11,7 @@ from ..errors import ConfigurationError, StateError
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
-__all__ = ["adopt", "form", "start_upkeep"]
+__all__ = ["adopt", "destroy", "destroy_before_exit", "form", "start_upkeep", "unpin"]
 
 
 def form(
@@ -92,3 +93,49 @@ def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> N
     group.store, group.board = client, f"{group.prefix}/board"
     group.heartbeat = Heartbeat(client, group.board, st.rank, st.world_size, group, wait_log_interval())
     group.heartbeat.start()
+
+
+def unpin(group: Any) -> None:
+    """Free ``group`` from torch.distributed.nn.functional's defaults.
+
+    Its functions are written ``def all_reduce(tensor, op=..., group=group.WORLD)``: the
+    defaults hold the group that existed when it was first imported (DDP imports it via
+    torch._dynamo), which keeps that group's gloo connections open after it is destroyed.
+    ``None`` means the default group to torch.distributed, as the defaults intend.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            function.__defaults__ = tuple(None if d is group else d for d in defaults)
+
+
+def destroy() -> Any:
+    """Destroy every process group (the default one and those made from it); the default one, or None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    default = dist.group.WORLD
+    unpin(default)  # torch.distributed.nn.functional's defaults would keep it alive
+    dist.destroy_process_group()
+    return default
+
+
+def destroy_before_exit(strategy: Any, models: list[Any]) -> None:
+    """At interpreter exit, before Python tears itself down: every group destroyed, and collected.
+
+    A gloo group that outlives the atexit hooks is torn down during the interpreter's finalization:
+    its worker threads exit then, and one that takes the GIL on its way out is killed by Python,
+    unwinding through C++ that cannot be unwound: std::terminate, SIGABRT ("terminate called without
+    an active exception"), now and then, after a run that succeeded. destroy_process_group() alone
+    does not end the threads while a DDP model (often a script's global) holds the group: the models
+    ``strategy`` prepared let go of it, and the group is collected here, while Python is whole.
+    """
+    import gc
+
+    if destroy() is not None or models:
+        for model in models:
+            if strategy is not None:
+                strategy.release(model)
+        gc.collect()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast, overload
 
 import wrapt
 from typing_extensions import ParamSpec
@@ -166,8 +168,22 @@ def _call(
         from ._notebook import preflight_launch
 
         preflight_launch(settings, env)
-    results = run_workers(target, args, kwargs, settings, env, quiet=not debug)
+    try:
+        results = run_workers(target, args, kwargs, settings, env, quiet=not debug)
+    except Exception as exc:
+        if type(exc).__name__ == "SignalException":  # torch's agent caught a signal and stopped every worker
+            _end_as_if(int(getattr(exc, "sigval", signal.SIGTERM)))
+        raise
     return cast("R", results.get(0))
+
+
+def _end_as_if(signum: int) -> NoReturn:
+    """After the workers were stopped: what the signal would have done to a process without handlers."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt from None
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # the signal is blocked in this thread: exit as the shell would report it
 
 
 def _check_options(options: dict[str, Any], call: str) -> dict[str, Any]:

@@ -46,3 +46,4 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
     watchdog: float | None = None
+    launcher_pid: int | None = None  # the process that started the workers: they die with it
