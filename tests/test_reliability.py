@@ -312,7 +312,7 @@ def _plain_run(session: list[subprocess.Popen[str]], argv: list[str]) -> list[tu
 def test_no_gloo_thread_outlives_the_exit_hooks(group: str, session: list[subprocess.Popen[str]]) -> None:
     script = [str(SCRIPTS / "clean_exit.py"), *(["--user-group"] if group == "formed by the script" else [])]
     for _code, out, err in _plain_run(session, ["-c", THREADS_AT_TEARDOWN, *script]):
-        assert "total 3" in out and "gloo threads at teardown: []" in out, (out, err[-2000:])
+        assert "gloo threads at teardown: []" in out, (out, err[-2000:])
         assert "terminate called" not in err
 
 
@@ -331,13 +331,13 @@ LAUNCHERS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["plain processes", *LAUNCHERS])
 def test_twenty_runs_exit_cleanly(launcher: str, session: list[subprocess.Popen[str]]) -> None:
-    # @ak.distributed: test_runs.py::test_twenty_consecutive_runs_exit_cleanly. Plain processes run the
-    # job that aborted now and then before (a script's own group, a DDP model as a global); the launchers
-    # a smaller one, without DDP (whose import of torch._dynamo doubles the time of a run).
+    # @ak.distributed: test_runs.py::test_twenty_consecutive_runs_exit_cleanly. Without DDP (whose import
+    # of torch._dynamo doubles the time of a run): test_no_gloo_thread_outlives_the_exit_hooks checks DDP.
+    # Plain processes form their own group, which accelkit adopts, and which nothing destroyed before.
     script = str(SCRIPTS / "clean_exit.py")
     for run in range(20):
         if launcher == "plain processes":
-            results = _plain_run(session, [script, "--user-group"])
+            results = _plain_run(session, [script, "--user-group", "--no-ddp"])
         else:
             done = subprocess.run(
                 [sys.executable, *LAUNCHERS[launcher](_port()), script, "--no-ddp"],
@@ -348,9 +348,10 @@ def test_twenty_runs_exit_cleanly(launcher: str, session: list[subprocess.Popen[
                 timeout=180,
             )
             results = [(done.returncode, done.stdout, done.stderr)]
-        for code, out, err in results:
+        assert "total 3" in "".join(out for _, out, _ in results), results
+        for code, _, err in results:
             assert code == 0, f"run {run}: exit {code}\n{err[-3000:]}"
-            assert "terminate called" not in err and "total 3" in out, err[-3000:]
+            assert "terminate called" not in err, err[-3000:]
 
 
 # --- 5. workers die with their launcher; signals stop everything ---------------------------------
