@@ -120,6 +120,7 @@ class GroupState:
     seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
     chain: int = 0  # a running digest of the headers of every collective so far
     slot_sizes: dict[int, int] = field(default_factory=dict)  # learned first-message sizes, by the previous call
+    plans: dict[int, Any] = field(default_factory=dict)  # learned all-reduces (collectives/_plan), likewise
     last_key: int = 0  # the previous two-way collective's key into slot_sizes
     buffers: dict[str, Any] = field(default_factory=dict)  # reusable slot buffers, by role (see collectives/_wire)
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
@@ -136,7 +137,7 @@ class GroupState:
 
     def restart_collectives(self) -> None:
         """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
-        self.seq, self.chain, self.last_key, self.slot_sizes, self.buffers = 0, 0, 0, {}, {}
+        self.seq, self.chain, self.last_key, self.slot_sizes, self.plans, self.buffers = 0, 0, 0, {}, {}, {}
 
 
 _lock = threading.RLock()

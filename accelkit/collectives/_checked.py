@@ -11,26 +11,42 @@ import struct
 
 import torch
 
-from .. import _tree
+from .. import _state, _tree
 from .._state import ProcessState
-from . import _bytes, _exchange, _wire
-from ._wire import HEADER, Call
+from . import _bytes, _exchange, _plan, _wire
+from ._wire import HEADER, Arrival, Call
 
 __all__ = ["barrier", "broadcast", "broadcast_object", "either", "gather", "gather_object", "max_sizes", "reduce",
            "refuse"]  # fmt: skip
 
 
+def exchange(st: ProcessState, call: Call) -> Arrival:
+    """A two-way collective's first message: the planned all-reduce first, when this point of the program has one."""
+    plan = _state.group.plans.get(_state.group.last_key)
+    if plan is not None:
+        _plan.run(st, call, plan)  # another call than planned, the same on every rank (or it raised)
+    return _wire.exchange(st, call)
+
+
 def gather(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec) -> list[torch.Tensor]:
     parts, length = _bytes.parts(leaves)
-    arrival = _wire.exchange(st, Call("gather", {}, leaves, spec, payload=parts, length=length))
+    arrival = exchange(st, Call("gather", {}, leaves, spec, payload=parts, length=length))
     if arrival.fits:
         return _bytes.gather_rows(arrival.rows, HEADER, leaves)
     return _exchange.gather(leaves, st.world_size)
 
 
 def reduce(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec, op: str) -> list[torch.Tensor]:
+    group = _state.group
+    key, plan = group.last_key, group.plans.get(group.last_key)
     parts, length = _bytes.parts(leaves)
-    arrival = _wire.exchange(st, Call("reduce", {"op": op}, leaves, spec, payload=parts, length=length))
+    call = Call("reduce", {"op": op}, leaves, spec, payload=parts, length=length)
+    if plan is not None:
+        planned = _plan.run(st, call, plan)
+        if planned is not None:
+            return planned
+    arrival = _wire.exchange(st, call)
+    _plan.learn(group, key, leaves, op, st.world_size)  # every rank checked this call: plan the next one here
     if arrival.fits:
         return _bytes.reduce_rows(arrival.rows, HEADER, leaves, op)
     return _exchange.reduce(leaves, op, st.world_size)
@@ -51,7 +67,7 @@ def max_sizes(
     """``pad_across_processes``: the largest length of each leaf along ``dim`` over the ranks."""
     payload = struct.pack(f"<{len(lengths)}q", *lengths)
     call = Call("pad_across_processes", {"dim": dim}, leaves, spec, free_dim=dim, payload=payload)
-    arrival = _wire.exchange(st, call)
+    arrival = exchange(st, call)
     if not arrival.fits:
         return _exchange.max_sizes(lengths, st.device, st.world_size)
     if not lengths:
@@ -61,7 +77,7 @@ def max_sizes(
 
 
 def gather_object(st: ProcessState, payload: bytes) -> list[bytes]:
-    arrival = _wire.exchange(st, Call("gather_object", {}, payload=payload))
+    arrival = exchange(st, Call("gather_object", {}, payload=payload))
     if arrival.fits:
         return _row_bytes(arrival.rows, arrival.lengths)
     return _exchange.gather_padded(payload, max(arrival.lengths), arrival.lengths, st.device, st.world_size)
@@ -82,12 +98,12 @@ def broadcast_object(st: ProcessState, payload: bytes, src: int) -> bytes:
 
 def barrier(st: ProcessState) -> None:
     """``wait_for_everyone``: every rank's header, nothing else."""
-    _wire.exchange(st, Call("wait_for_everyone", {}))
+    exchange(st, Call("wait_for_everyone", {}))
 
 
 def either(st: ProcessState, op: str, flag: bool) -> bool:
     """Whether ``flag`` is set on any rank (``check_breakpoint``)."""
-    arrival = _wire.exchange(st, Call(op, {}, payload=bytes([flag])))
+    arrival = exchange(st, Call(op, {}, payload=bytes([flag])))
     return any(row[0] for row in _row_bytes(arrival.rows, arrival.lengths))
 
 
@@ -95,7 +111,7 @@ def refuse(st: ProcessState, op: str, params: dict[str, object], problem: BaseEx
     """Take part in ``op`` with an invalid input, so that the others raise instead of waiting; the caller raises."""
     call = Call(op, dict(params), problem=problem)
     if src is None:
-        _wire.exchange(st, call)
+        exchange(st, call)
     else:
         _wire.broadcast(st, call, src)
 

@@ -78,6 +78,11 @@ def broadcast_tensor(x: torch.Tensor, src: int) -> None:
     _call(dist.broadcast, x, src)
 
 
+def all_reduce(x: torch.Tensor, op: str) -> None:
+    """Reduce ``x`` in place over the ranks with ``op`` ("sum", "max", "min" or "product")."""
+    _call(dist.all_reduce, x, _OPS[op])
+
+
 def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order."""
     try:
