@@ -33,8 +33,8 @@ def layout(leaves: list[torch.Tensor]) -> tuple[list[int], int, list[int]]:
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous 1-d tensor (a view when it already is one)."""
-    return (x.resolve_conj() if x.dtype in _COMPLEX else x).reshape(-1)
+    """``x``'s values as a contiguous 1-d tensor (a view when it already is one)."""
+    return (x.resolve_conj() if x.dtype in _COMPLEX else x).resolve_neg().reshape(-1)
 
 
 def parts(leaves: list[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor]], int]:
@@ -55,7 +55,9 @@ def write(buffer: torch.Tensor, offset: int, data: bytes | torch.Tensor) -> None
             return
     else:
         n = data.numel() * data.element_size()
-        if n and buffer.is_cpu and data.is_cpu and data.is_contiguous() and not (data.is_conj() or data.is_neg()):
+        # A lazily conjugated or negated tensor's memory does not hold its values.
+        plain = data.dtype not in _COMPLEX and not data.is_neg()
+        if n and plain and buffer.is_cpu and data.is_cpu and data.is_contiguous():
             ctypes.memmove(buffer.data_ptr() + offset, data.data_ptr(), n)
             return
     if not n:
@@ -87,35 +89,32 @@ def unpack(buffer: torch.Tensor, leaves: list[torch.Tensor], copy: bool) -> list
     return out  # type: ignore[return-value]
 
 
-def gather_rows(rows: torch.Tensor, start: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``gather``'s result from every rank's packed leaves at ``start`` of each row: one copy per leaf."""
-    world, stride = rows.shape
-    if len(leaves) == 1 and rows.device.type == "cpu" and leaves[0].device.type == "cpu" and world <= 64:
-        return [_gather_one(rows, start, leaves[0])]
+def gather_rows(buffer: torch.Tensor, stride: int, start: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``gather``'s result from every rank's packed leaves, at ``start`` of each ``stride``-byte slot of ``buffer``."""
+    world = len(leaves) and buffer.numel() // stride
+    if len(leaves) == 1 and buffer.is_cpu and leaves[0].is_cpu and world <= 64:
+        return [_gather_one(buffer, stride, start, leaves[0])]
+    rows = buffer.view(world, stride)
     order, _, offsets = _layout(leaves)
     out: list[torch.Tensor | None] = [None] * len(leaves)
     for k, i in enumerate(order):
         x = leaves[i]
         result = x.new_empty((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,))
         n, at = offsets[k + 1] - offsets[k], start + offsets[k]
-        if not n:
-            pass
-        elif rows.device.type == "cpu" and result.device.type == "cpu" and world <= 64:
-            base, dest = rows.data_ptr(), result.data_ptr()
-            for r in range(world):
-                ctypes.memmove(dest + r * n, base + r * stride + at, n)
-        else:
+        if n:
             result.view(-1).view(_BYTE).view(world, n).copy_(rows[:, at : at + n])
         out[i] = result
     return out  # type: ignore[return-value]
 
 
-def reduce_rows(rows: torch.Tensor, start: int, leaves: list[torch.Tensor], op: str) -> list[torch.Tensor]:
-    """``reduce``'s result from every rank's packed leaves at ``start`` of each row, computed here.
+def reduce_rows(
+    buffer: torch.Tensor, stride: int, start: int, leaves: list[torch.Tensor], op: str
+) -> list[torch.Tensor]:
+    """``reduce``'s result from every rank's packed leaves, at ``start`` of each ``stride``-byte slot of ``buffer``.
 
     Every rank combines the rows in rank order, so every rank computes the same bits.
     """
-    world, stride = rows.shape
+    world = buffer.numel() // stride
     order, _, offsets = _layout(leaves)
     out: list[torch.Tensor | None] = [None] * len(leaves)
     for k, i in enumerate(order):
@@ -123,7 +122,7 @@ def reduce_rows(rows: torch.Tensor, start: int, leaves: list[torch.Tensor], op: 
         if not x.numel():
             out[i] = x.new_empty(x.shape)
             continue
-        size, typed, n = x.element_size(), rows.view(-1).view(x.dtype), x.numel()
+        size, typed, n = x.element_size(), buffer.view(x.dtype), x.numel()
         at = (start + offsets[k]) // size
         if world == 2 and x.dtype not in WIDER and x.dtype != torch.bool:
             step = stride // size
@@ -134,12 +133,13 @@ def reduce_rows(rows: torch.Tensor, start: int, leaves: list[torch.Tensor], op: 
     return out  # type: ignore[return-value]
 
 
-def _gather_one(rows: torch.Tensor, start: int, x: torch.Tensor) -> torch.Tensor:
-    world, stride = rows.shape
-    result = torch.empty((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,), dtype=x.dtype)
+def _gather_one(buffer: torch.Tensor, stride: int, start: int, x: torch.Tensor) -> torch.Tensor:
+    world = buffer.numel() // stride
+    shape = x.shape
+    result = torch.empty((world * shape[0], *shape[1:]) if shape else (world,), dtype=x.dtype)
     n = x.numel() * x.element_size()
     if n:
-        base, dest = rows.data_ptr() + start, result.data_ptr()
+        base, dest = buffer.data_ptr() + start, result.data_ptr()
         for r in range(world):
             ctypes.memmove(dest + r * n, base + r * stride, n)
     return result

@@ -32,7 +32,7 @@ def gather(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec) -
     parts, length = _bytes.parts(leaves)
     arrival = exchange(st, Call("gather", {}, leaves, spec, payload=parts, length=length))
     if arrival.fits:
-        return _bytes.gather_rows(arrival.rows, HEADER, leaves)
+        return _bytes.gather_rows(arrival.buffer, arrival.stride, HEADER, leaves)
     return _exchange.gather(leaves, st.world_size)
 
 
@@ -48,7 +48,7 @@ def reduce(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec, o
     arrival = _wire.exchange(st, call)
     _plan.learn(group, key, leaves, op, st.world_size)  # every rank checked this call: plan the next one here
     if arrival.fits:
-        return _bytes.reduce_rows(arrival.rows, HEADER, leaves, op)
+        return _bytes.reduce_rows(arrival.buffer, arrival.stride, HEADER, leaves, op)
     return _exchange.reduce(leaves, op, st.world_size)
 
 
@@ -58,7 +58,7 @@ def broadcast(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec
     if not arrival.fits:
         return _exchange.broadcast(leaves, src, st.rank)
     # The source's results are views of the slot it sent (its copy of the input); a receiver's inbox is reused.
-    return _bytes.unpack(arrival.rows[0, HEADER : HEADER + length], leaves, copy=st.rank != src)
+    return _bytes.unpack(arrival.buffer[HEADER : HEADER + length], leaves, copy=st.rank != src)
 
 
 def max_sizes(

@@ -31,7 +31,7 @@ import functools
 import hashlib
 import struct
 import zlib
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -127,11 +127,17 @@ class Call:
 
 
 class Arrival(NamedTuple):
-    """What the first message brought: every rank's slot (a broadcast: the source's) and their lengths."""
+    """What the first message brought: every rank's slot (a broadcast: the source's) and their payload lengths."""
 
-    rows: torch.Tensor  # (world, size) uint8; a broadcast: (1, size), the source's slot
-    lengths: list[int]  # each row's payload bytes
+    buffer: torch.Tensor  # uint8: the slots, one after the other (a broadcast: the source's only)
+    stride: int  # bytes per slot
+    lengths: list[int]  # each slot's payload bytes
     fits: bool  # every payload came whole in its slot
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The slots as a (ranks, stride) uint8 matrix."""
+        return self.buffer[: len(self.lengths) * self.stride].view(-1, self.stride)
 
 
 def exchange(st: ProcessState, call: Call) -> Arrival:
@@ -140,33 +146,41 @@ def exchange(st: ProcessState, call: Call) -> Arrival:
     Every rank must call it. A rank with ``call.problem`` takes part and returns (the caller
     raises its own error) while the others raise a :class:`DistributedOperationError` quoting it.
     """
-    group = _open(st)
-    world = st.world_size
-    size = max(_base(world), group.slot_sizes.get(group.last_key, 0))
+    group = _state.group
+    if group.closed:
+        _refuse_closed(st, group)
+    world, device = st.world_size, st.device
+    size = group.slot_sizes.get(group.last_key, 0)
+    base = _base(world)
+    if size < base:
+        size = base
     header = call.sent = call.header(group.chain, group.seq)
     group.call = call
-    fits = call.length <= size - HEADER
     # Both buffers are reused from call to call: every result is copied or computed out of them.
-    slot = _slot(header, call if fits else None, _buffer(group, "send", size, st.device))
-    out = _buffer(group, "receive", world * size, st.device)
+    slot = _buffer(group, "send", size, device)
+    _bytes.write(slot, 0, header)
+    length = call.length
+    if length <= size - HEADER:
+        _write_payload(slot, call)
+    out = _buffer(group, "receive", world * size, device)
     if st.backend == "fake":  # torch's fake group moves nothing: as if every rank had sent this slot
         out.view(world, size).copy_(slot)
     _exchange.all_gather(out, slot, world)
     headers = _bytes.read(out, size, world, HEADER)
     agree = header[:_AGREE]
-    if call.op in _VARYING:
-        lengths = [_LENGTH.unpack_from(h, 28)[0] for h in headers]
-    else:  # the fingerprint covers the shapes: the same length everywhere, when the headers agree
-        lengths = [call.length] * world
     if all(h.startswith(agree) for h in headers):
+        lengths = [_LENGTH.unpack_from(h, 28)[0] for h in headers] if call.op in _VARYING else [length] * world
+        longest = max(lengths)
         group.chain = zlib.crc32(agree, group.chain)  # every rank takes this branch, or none
-        _learn(group, header, HEADER + max(lengths), world)
-        return Arrival(out.view(world, size), lengths, max(lengths) <= size - HEADER)
-    group.chain = zlib.crc32(b"".join(h[:_AGREE] for h in headers), group.chain)
-    _learn(group, headers[0], HEADER + max(_LENGTH.unpack_from(h, 28)[0] for h in headers), world)
+        _learn(group, call.op, header, HEADER + longest, world)
+        return Arrival(out, size, lengths, longest <= size - HEADER)
     lengths = [_LENGTH.unpack_from(h, 28)[0] for h in headers]
-    _disagree(st, call, headers, Arrival(out.view(world, size), lengths, False))
-    return Arrival(out.view(world, size), lengths, False)
+    group.chain = zlib.crc32(b"".join(h[:_AGREE] for h in headers), group.chain)
+    first = headers[0][4]
+    _learn(group, _OPS[first - 1] if 0 < first <= len(_OPS) else "", headers[0], HEADER + max(lengths), world)
+    arrival = Arrival(out, size, lengths, False)
+    _disagree(st, call, headers, arrival)
+    return arrival
 
 
 def broadcast(st: ProcessState, call: Call, src: int) -> Arrival:
@@ -175,7 +189,9 @@ def broadcast(st: ProcessState, call: Call, src: int) -> Arrival:
     Every rank must call it; the source sends, the others receive and check. A receiver that
     finds a mismatch closes the group (the source hears of it at its next collective) and raises.
     """
-    group = _open(st)
+    group = _state.group
+    if group.closed:
+        _refuse_closed(st, group)
     short_ok = _exchange.accepts_short_messages(st.backend)
     size = _INBOX if short_ok else max(_base(st.world_size), group.slot_sizes.get(group.last_key, 0))
     header = call.sent = call.header(group.chain, group.seq)
@@ -187,13 +203,13 @@ def broadcast(st: ProcessState, call: Call, src: int) -> Arrival:
         slot = _slot(header, call if fits else None, torch.empty(sent, dtype=torch.uint8, device=st.device))
         _exchange.broadcast_tensor(slot, src)
         group.chain = zlib.crc32(header[:_AGREE], group.chain)
-        return Arrival(slot.view(1, -1), [call.length], fits)
+        return Arrival(slot, slot.numel(), [call.length], fits)
     inbox = _buffer(group, "inbox", size, st.device)
     _exchange.broadcast_tensor(inbox, src)
     theirs = _bytes.read(inbox, size, 1, HEADER)[0]
     group.chain = zlib.crc32(theirs[:_AGREE], group.chain)
     length = _LENGTH.unpack_from(theirs, 28)[0] if theirs[:4] == _MAGIC else 0
-    arrival = Arrival(inbox.view(1, -1), [length], length <= size - HEADER)
+    arrival = Arrival(inbox, size, [length], length <= size - HEADER)
     if theirs[:_AGREE] != header[:_AGREE] or call.problem is not None:
         _refuse_broadcast(st, call, src, {src: theirs, st.rank: header}, arrival)
     return arrival
@@ -240,12 +256,16 @@ def _slot(header: bytes, call: Call | None, slot: torch.Tensor) -> torch.Tensor:
     """``slot`` with the header, then ``call``'s payload (None: it does not fit); the rest left as it was."""
     _bytes.write(slot, 0, header)
     if call is not None:
-        if isinstance(call.payload, bytes):
-            _bytes.write(slot, HEADER, call.payload)
-        else:
-            for offset, part in call.payload:
-                _bytes.write(slot, HEADER + offset, part)
+        _write_payload(slot, call)
     return slot
+
+
+def _write_payload(slot: torch.Tensor, call: Call) -> None:
+    if isinstance(call.payload, bytes):
+        _bytes.write(slot, HEADER, call.payload)
+    else:
+        for offset, part in call.payload:
+            _bytes.write(slot, HEADER + offset, part)
 
 
 def _base(world: int) -> int:
@@ -259,39 +279,39 @@ def _size_class(n: int) -> int:
     return -(-n // step) * step
 
 
-def _learn(group: _state.GroupState, header: bytes, needed: int, world: int) -> None:
+def _learn(group: _state.GroupState, op: str, header: bytes, needed: int, world: int) -> None:
     """After a two-way first message, from what every rank saw: the same update on every rank.
 
-    ``header`` is the call's header (every rank's, when they agree; rank 0's otherwise), ``needed``
-    the largest slot any rank needed for it. Only two-way calls teach: what a broadcast's receivers
-    see may differ from what its source sent, and no slot size may ever differ between ranks.
+    ``op`` and ``header`` are the call's (every rank's, when they agree; rank 0's otherwise),
+    ``needed`` the largest slot any rank needed for it. Only two-way calls teach: what a broadcast's
+    receivers see may differ from what its source sent, and no slot size may ever differ between ranks.
     """
-    op = _OPS[header[4] - 1] if 0 < header[4] <= len(_OPS) else ""
-    if len(group.slot_sizes) >= _MAX_LEARNED:
-        group.slot_sizes.clear()
+    sizes = group.slot_sizes
     if needed * world <= _BUDGET.get(op, _DEFAULT_BUDGET):
-        group.slot_sizes[group.last_key] = _size_class(needed)
+        if len(sizes) >= _MAX_LEARNED:
+            sizes.clear()
+        sizes[group.last_key] = _size_class(needed)
     else:
-        group.slot_sizes.pop(group.last_key, None)
+        sizes.pop(group.last_key, None)
     group.last_key = zlib.crc32(header[4:8] + header[20:28])
 
 
 def _buffer(group: _state.GroupState, role: str, size: int, device: torch.device) -> torch.Tensor:
-    """The group's reusable uint8 buffer for ``role``, of ``size`` bytes (a new one when the size changes)."""
+    """The group's reusable uint8 buffer for ``role``, of ``size`` bytes (a new one when the size changes).
+
+    A group's collectives all run on one device: only the size is compared.
+    """
     buffer = group.buffers.get(role)
-    if buffer is None or buffer.numel() != size or buffer.device != device:
+    if buffer is None or buffer.numel() != size:
         buffer = group.buffers[role] = torch.empty(size, dtype=torch.uint8, device=device)
     return buffer
 
 
-def _open(st: ProcessState) -> _state.GroupState:
-    group = _state.group
-    if group.closed:
-        raise DistributedOperationError(
-            f"the process group of process {st.rank} was closed: {group.closed}\nEvery process must call the "
-            f"same collectives in the same order; fix the call above and start the job again."
-        )
-    return group
+def _refuse_closed(st: ProcessState, group: _state.GroupState) -> NoReturn:
+    raise DistributedOperationError(
+        f"the process group of process {st.rank} was closed: {group.closed}\nEvery process must call the "
+        f"same collectives in the same order; fix the call above and start the job again."
+    )
 
 
 # --- disagreements --------------------------------------------------------------------------------
@@ -348,7 +368,7 @@ def _table(st: ProcessState, call: Call, headers: dict[int, bytes], arrival: Arr
         if rank == st.rank:
             row = f"{call.describe()} (#{_state.group.seq})"
         elif rank in headers:
-            row = _seen(headers[rank], arrival.rows[rank if arrival.rows.shape[0] > 1 else 0])
+            row = _seen(headers[rank], arrival.rows[rank if len(arrival.lengths) > 1 else 0])
         else:
             row = "(not seen by this process: a broadcast reaches each process from the source only)"
         lines.append(f"  - Process {rank}: {row}")
