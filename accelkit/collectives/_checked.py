@@ -14,7 +14,7 @@ import torch
 from .. import _state, _tree
 from .._state import ProcessState
 from . import _bytes, _exchange, _plan, _wire
-from ._wire import HEADER, Arrival, Call
+from ._header import HEADER, Arrival, Call
 
 __all__ = ["barrier", "broadcast", "broadcast_object", "either", "gather", "gather_object", "max_sizes", "reduce",
            "refuse"]  # fmt: skip

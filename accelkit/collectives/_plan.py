@@ -29,7 +29,7 @@ from ..errors import DistributedOperationError
 from . import _bytes, _debug, _exchange
 
 if TYPE_CHECKING:
-    from ._wire import Call
+    from ._header import Call
 
 __all__ = ["Plan", "learn", "run"]
 

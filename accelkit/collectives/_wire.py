@@ -26,118 +26,24 @@ every rank has seen every other's header:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import struct
 import zlib
-from typing import Any, NamedTuple, NoReturn
+from typing import NoReturn
 
 import torch
 
-from .. import _group, _state, _tree
+from .. import _state
 from .._state import ProcessState
 from ..errors import DistributedOperationError
-from . import _bytes, _debug, _exchange
+from . import _bytes, _exchange, _mismatch
+from ._header import AGREE, HEADER, LENGTH, MAGIC, OPS, Arrival, Call
 
-__all__ = ["HEADER", "Arrival", "Call", "broadcast", "exchange"]
+__all__ = ["broadcast", "exchange"]
 
-HEADER = 64
-ONE_WAY = ("broadcast", "broadcast_object")
-_OPS = ("gather", "reduce", "broadcast", "pad_across_processes", "gather_object", "broadcast_object",
-        "wait_for_everyone", "check_breakpoint")  # fmt: skip
-_CODES = {op: i + 1 for i, op in enumerate(_OPS)}
-# magic, op, flags, dtype, ndim, chain, seq, fingerprint, payload bytes, up to 7 dims: 64 bytes.
-_FORMAT = struct.Struct("<4sBBBBIQQQ7I")
-_HEAD, _MOVING, _LENGTH, _DIMS = (
-    struct.Struct("<4sBBBB"),
-    struct.Struct("<IQ"),
-    struct.Struct("<Q"),
-    struct.Struct("<7I"),
-)
-_MAGIC = b"akc1"
-_AGREE = 28  # the header's bytes every rank must share: magic .. fingerprint (not the length, not the dims)
-_ERROR = 1  # flag: this rank's input was invalid; its slot holds the error's text
-_TREE = 255  # dtype / ndim code of a call with several tensors, or none
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-           torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)  # fmt: skip
 _INBOX = 1 << 20  # bytes gloo broadcast receivers post; larger payloads follow the header separately
 _BUDGET = {"reduce": 1 << 20}  # bytes of slots per call (all ranks) worth learning, beyond which data
 _DEFAULT_BUDGET = 4 << 20  # moves in a second message (the reduction of gathered slots costs world x)
 _MAX_LEARNED = 1024  # learned sizes kept; beyond, forgotten alike on every rank
 _VARYING = ("gather_object",)  # calls whose payload lengths may differ across ranks
-_PROBLEM_TEXT = 180  # bytes of an invalid input's error that travel with its header (fits the smallest slot)
-
-
-class Call:
-    """This rank's side of one collective: what it is, and the bytes it carries.
-
-    ``payload``: bytes, or tensors at their byte offsets (see ``_bytes.parts``), ``length`` bytes in
-    all. A ``problem`` (this rank's input was invalid) travels as its text: the others quote it.
-    """
-
-    __slots__ = ("free_dim", "leaves", "length", "op", "params", "payload", "problem", "sent", "spec")
-
-    def __init__(
-        self,
-        op: str,
-        params: dict[str, Any],
-        leaves: list[torch.Tensor] | None = None,
-        spec: _tree.TreeSpec | None = None,
-        *,
-        free_dim: int | None = None,
-        payload: bytes | list[tuple[int, torch.Tensor]] = b"",
-        length: int = -1,
-        problem: BaseException | None = None,
-    ) -> None:
-        self.op, self.params, self.leaves, self.spec, self.free_dim = op, params, leaves or [], spec, free_dim
-        self.problem = problem
-        if problem is not None:
-            payload = f"{type(problem).__name__}: {problem}".encode()[:_PROBLEM_TEXT]
-        self.payload = payload
-        self.length = len(payload) if isinstance(payload, bytes) else length
-        self.sent = b""  # the header this rank sent
-
-    def signature(self) -> str:
-        """What two ranks in the same call share: operation and fingerprint (not the number, nor the digest)."""
-        return (self.sent[4:8] + self.sent[20:28]).hex()
-
-    def header(self, chain: int, seq: int) -> bytes:
-        """This rank's 64-byte header for call number ``seq``, after calls whose digest is ``chain``."""
-        if self.problem is not None:
-            head, fingerprint, dims = _pieces(self.op, None)
-        elif self.spec is not None and self.spec.kind == "leaf":
-            x = self.leaves[0]
-            head, fingerprint, dims = _pieces(self.op, (tuple(self.params.values()), x.dtype, x.shape, self.free_dim))
-        else:
-            shapes = tuple((x.dtype, x.shape) for x in self.leaves)
-            structure = _tree.signature(self.spec) if self.spec is not None else None
-            head, fingerprint, dims = _pieces(self.op, (tuple(self.params.values()), structure, shapes, self.free_dim))
-        return head + _MOVING.pack(chain, seq) + fingerprint + _LENGTH.pack(self.length) + dims
-
-    def describe(self) -> str:
-        """The call as debug mode's tables show it: ``accelkit.reduce(op='sum') float32 [4]``."""
-        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
-        text = f"accelkit.{self.op}({args})"
-        if self.problem is not None:
-            return f"{text} raised {type(self.problem).__name__}: {self.problem}"
-        if self.spec is None:
-            return text
-        return f"{text} {_tree.describe(self.spec, [_debug.leaf_text(x) for x in self.leaves])}"
-
-
-class Arrival(NamedTuple):
-    """What the first message brought: every rank's slot (a broadcast: the source's) and their payload lengths."""
-
-    buffer: torch.Tensor  # uint8: the slots, one after the other (a broadcast: the source's only)
-    stride: int  # bytes per slot
-    lengths: list[int]  # each slot's payload bytes
-    fits: bool  # every payload came whole in its slot
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """The slots as a (ranks, stride) uint8 matrix."""
-        return self.buffer[: len(self.lengths) * self.stride].view(-1, self.stride)
 
 
 def exchange(st: ProcessState, call: Call) -> Arrival:
@@ -167,19 +73,19 @@ def exchange(st: ProcessState, call: Call) -> Arrival:
         out.view(world, size).copy_(slot)
     _exchange.all_gather(out, slot, world)
     headers = _bytes.read(out, size, world, HEADER)
-    agree = header[:_AGREE]
+    agree = header[:AGREE]
     if all(h.startswith(agree) for h in headers):
-        lengths = [_LENGTH.unpack_from(h, 28)[0] for h in headers] if call.op in _VARYING else [length] * world
+        lengths = [LENGTH.unpack_from(h, 28)[0] for h in headers] if call.op in _VARYING else [length] * world
         longest = max(lengths)
         group.chain = zlib.crc32(agree, group.chain)  # every rank takes this branch, or none
         _learn(group, call.op, header, HEADER + longest, world)
         return Arrival(out, size, lengths, longest <= size - HEADER)
-    lengths = [_LENGTH.unpack_from(h, 28)[0] for h in headers]
-    group.chain = zlib.crc32(b"".join(h[:_AGREE] for h in headers), group.chain)
+    lengths = [LENGTH.unpack_from(h, 28)[0] for h in headers]
+    group.chain = zlib.crc32(b"".join(h[:AGREE] for h in headers), group.chain)
     first = headers[0][4]
-    _learn(group, _OPS[first - 1] if 0 < first <= len(_OPS) else "", headers[0], HEADER + max(lengths), world)
+    _learn(group, OPS[first - 1] if 0 < first <= len(OPS) else "", headers[0], HEADER + max(lengths), world)
     arrival = Arrival(out, size, lengths, False)
-    _disagree(st, call, headers, arrival)
+    _mismatch.disagree(st, call, headers, arrival)
     return arrival
 
 
@@ -202,54 +108,20 @@ def broadcast(st: ProcessState, call: Call, src: int) -> Arrival:
         # Not reused: the source's results are views of the slot it sent (its copy of the input).
         slot = _slot(header, call if fits else None, torch.empty(sent, dtype=torch.uint8, device=st.device))
         _exchange.broadcast_tensor(slot, src)
-        group.chain = zlib.crc32(header[:_AGREE], group.chain)
+        group.chain = zlib.crc32(header[:AGREE], group.chain)
         return Arrival(slot, slot.numel(), [call.length], fits)
     inbox = _buffer(group, "inbox", size, st.device)
     _exchange.broadcast_tensor(inbox, src)
     theirs = _bytes.read(inbox, size, 1, HEADER)[0]
-    group.chain = zlib.crc32(theirs[:_AGREE], group.chain)
-    length = _LENGTH.unpack_from(theirs, 28)[0] if theirs[:4] == _MAGIC else 0
+    group.chain = zlib.crc32(theirs[:AGREE], group.chain)
+    length = LENGTH.unpack_from(theirs, 28)[0] if theirs[:4] == MAGIC else 0
     arrival = Arrival(inbox, size, [length], length <= size - HEADER)
-    if theirs[:_AGREE] != header[:_AGREE] or call.problem is not None:
-        _refuse_broadcast(st, call, src, {src: theirs, st.rank: header}, arrival)
+    if theirs[:AGREE] != header[:AGREE] or call.problem is not None:
+        _mismatch.refuse_broadcast(st, call, src, {src: theirs, st.rank: header}, arrival)
     return arrival
 
 
 # --- headers ------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4096)
-def _pieces(op: str, what: tuple[Any, ...] | None) -> tuple[bytes, bytes, bytes]:
-    """A header's fixed parts for a call: (magic .. ndim, fingerprint, dims), computed once per kind of call.
-
-    ``what``: None for an invalid input; (params, dtype, shape, free dim) for one tensor;
-    (params, structure, ((dtype, shape), ...), free dim) for a tree, or a call without tensors.
-    """
-    if what is None:
-        return _HEAD.pack(_MAGIC, _CODES[op], _ERROR, _TREE, 0), bytes(8), bytes(28)
-    params, kind, shapes, free_dim = what
-    if isinstance(kind, torch.dtype):  # one tensor
-        key: tuple[Any, ...] = (op, params, kind, _shape(shapes, free_dim))
-        dtype = _DTYPES.index(kind) if kind in _DTYPES else _TREE - 1
-        dims = tuple(min(d, 0xFFFFFFFF) for d in shapes[:7])
-        ndim = len(shapes)
-    else:
-        key = (op, params, kind, tuple((d, _shape(s, free_dim)) for d, s in shapes))
-        dtype, ndim, dims = _TREE, (_TREE if kind is not None else 0), (len(shapes),) if kind is not None else ()
-    # Stable across processes (unlike hash()): dtypes, shapes and names have the same repr everywhere.
-    fingerprint = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return (
-        _HEAD.pack(_MAGIC, _CODES[op], 0, dtype, min(ndim, _TREE)),
-        fingerprint,
-        _DIMS.pack(*dims, *(0,) * (7 - len(dims))),
-    )
-
-
-def _shape(shape: tuple[int, ...], free_dim: int | None) -> tuple[int, ...]:
-    if free_dim is None or not shape:
-        return tuple(shape)
-    free = free_dim % len(shape)
-    return tuple(-1 if i == free else n for i, n in enumerate(shape))
 
 
 def _slot(header: bytes, call: Call | None, slot: torch.Tensor) -> torch.Tensor:
@@ -312,98 +184,3 @@ def _refuse_closed(st: ProcessState, group: _state.GroupState) -> NoReturn:
         f"the process group of process {st.rank} was closed: {group.closed}\nEvery process must call the "
         f"same collectives in the same order; fix the call above and start the job again."
     )
-
-
-# --- disagreements --------------------------------------------------------------------------------
-
-
-def _disagree(st: ProcessState, call: Call, headers: list[bytes], arrival: Arrival) -> None:
-    """The ranks sent different headers; every rank saw all of them, so every rank is here."""
-    codes = {h[4] for h in headers}
-    if any(_CODES[op] in codes for op in ONE_WAY):
-        # A rank broadcast while this one gathered: it takes part in no further exchange, and does
-        # not know: close the group, so that its next collective fails at once.
-        table = _table(st, call, dict(enumerate(headers)), arrival)
-        _post(st, table)
-        _state.close_group(table.splitlines()[0])
-        raise DistributedOperationError(table)
-    # The others came here too: the same exchange as debug mode describes every rank's call in full.
-    _debug.check(st, call.op, call.params, call.leaves, call.spec, call.free_dim, call.problem)
-    if call.problem is not None:
-        return  # this rank raises its own error; the others quote it
-    raise DistributedOperationError(_out_of_step(call.op, headers))
-
-
-def _refuse_broadcast(st: ProcessState, call: Call, src: int, headers: dict[int, bytes], arrival: Arrival) -> None:
-    source_failed = bool(_FORMAT.unpack(headers[src])[2] & _ERROR) and headers[src][:4] == _MAGIC
-    table = _table(st, call, headers, arrival)
-    if not source_failed:
-        # The source went on, unaware: close the group so that its next collective fails at once, quoting this.
-        _post(st, table)
-        _state.close_group(table.splitlines()[0])
-    if call.problem is None:
-        raise DistributedOperationError(table)
-
-
-def _post(st: ProcessState, table: str) -> None:
-    group = _state.group
-    if group.store is not None:
-        with contextlib.suppress(Exception):  # the store is gone: the others' error says less, nothing worse
-            _group.post_report(group.store, group.board, st.rank, table)
-
-
-def _table(st: ProcessState, call: Call, headers: dict[int, bytes], arrival: Arrival) -> str:
-    """Debug mode's table, from the headers this rank saw (a broadcast: the source's and its own)."""
-    unpacked = {r: _FORMAT.unpack(h) for r, h in headers.items() if h[:4] == _MAGIC}
-    if len({u[1] for u in unpacked.values()}) > 1 or len(unpacked) < len(headers):
-        head = "the processes called different operations."
-    elif any(u[2] & _ERROR for u in unpacked.values()):
-        head = "a process could not apply it to its input."
-    elif len({u[7] for u in unpacked.values()}) > 1:
-        head = "the inputs differ across processes."
-    else:
-        head = "the processes are out of step (they made different calls before this one)."
-    lines = [f"Cannot apply accelkit.{call.op}: {head}"]
-    for rank in range(st.world_size):
-        if rank == st.rank:
-            row = f"{call.describe()} (#{_state.group.seq})"
-        elif rank in headers:
-            row = _seen(headers[rank], arrival.rows[rank if len(arrival.lengths) > 1 else 0])
-        else:
-            row = "(not seen by this process: a broadcast reaches each process from the source only)"
-        lines.append(f"  - Process {rank}: {row}")
-    lines.append(
-        "Fix: Every process must call the same collectives in the same order, with the same structure, dtypes "
-        "and shapes (and the same src)."
-    )
-    return "\n".join(lines)
-
-
-def _seen(header: bytes, row: torch.Tensor) -> str:
-    """Another process's call, as its header shows it."""
-    if header[:4] != _MAGIC:
-        return "a message that is no accelkit collective's (a torch.distributed call made directly?)"
-    _, code, flags, dtype, ndim, _, seq, _, length, *dims = _FORMAT.unpack(header)
-    op = _OPS[code - 1] if 0 < code <= len(_OPS) else "?"
-    if flags & _ERROR:
-        text = _bytes.read(row, row.numel(), 1, HEADER + length)[0][HEADER:]
-        return f"accelkit.{op} #{seq} raised {text.decode(errors='replace')}"
-    if dtype == _TREE:
-        what = f"{dims[0]} tensors ({length} bytes)" if ndim else f"{length} bytes"
-    else:
-        name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "tensor"
-        what = f"{name} {list(dims[:ndim])}" if ndim <= 7 else f"{name} of {ndim} dimensions"
-    return f"accelkit.{op} #{seq} {what}"
-
-
-def _out_of_step(op: str, headers: list[bytes]) -> str:
-    lines = [f"Cannot apply accelkit.{op}: the processes are out of step: they agree on this call but made "
-             f"different collective calls before it."]  # fmt: skip
-    for rank, header in enumerate(headers):
-        _, code, _, _, _, chain, seq, *_ = _FORMAT.unpack(header)
-        lines.append(f"  - Process {rank}: accelkit.{_OPS[code - 1]} #{seq}, after calls with digest {chain:08x}")
-    lines.append(
-        "Fix: Every process must call the same collectives in the same order (a broadcast given another src on "
-        "some processes, or a collective that only some processes called, puts them out of step)."
-    )
-    return "\n".join(lines)
