@@ -1,17 +1,19 @@
 """Reliability: one test per promise, each with its time bound, its message (rank, cause) and no process left.
 
-| promise                                                   | here                                        |
-| --------------------------------------------------------- | ------------------------------------------- |
+| promise                                                    | here                                        |
+| ---------------------------------------------------------- | ------------------------------------------- |
 | a mismatched collective raises the table, without debug    | test_a_mismatch_raises_the_table_*          |
 | a hang names the rank that never came, and where it is     | test_a_hang_names_the_missing_rank          |
+| the default timeout is finite, and printed by the launch   | test_sigterm_stops_every_rank_...           |
 | save and load without numpy                                | test_checkpoints_need_no_numpy, ..._missing |
-| every successful run exits 0, under every launcher         | test_twenty_runs_exit_cleanly               |
+| every successful run exits 0, under every launcher         | test_no_gloo_thread_outlives_the_exit_hooks |
+|                                                            | test_twenty_runs_exit_cleanly (slow)        |
 | workers die with their launcher; signals stop everything   | test_kill_9_..., test_sigterm_...           |
 | ranks that differ in versions or options refuse to start   | test_ranks_that_differ_refuse_to_start      |
 | a lost peer never outranks the rank that died              | test_a_lost_peer_never_outranks_a_death     |
 | crash, SIGKILL, restart resume                             | test_a_crash_..., test_a_sigkill_..., ...   |
-| kill -9 during a save, corruption, malicious pickle        | test_checkpoint.py (reused here)            |
-| rotation, disk full                                        | test_checkpoint.py (reused here)            |
+| kill -9 during a save, corruption, malicious pickle        | test_a_kill_during_..., test_a_damaged_...  |
+| rotation, disk full                                        | test_rotation_and_a_full_disk_...           |
 | bad config, port in use, a node that never comes           | test_a_bad_launch_stops_before_anything_... |
 
 The scenarios of test_launcher.py, test_checkpoint.py and test_cli_launch.py are reused through
@@ -209,11 +211,6 @@ def test_a_hang_names_the_missing_rank(
     assert "wait at most 3 s" in first.message
     err = capfd.readouterr().err
     assert re.search(rf"accelkit: rank 0: still waiting for rank 1 at {label} #1 \(\d s\)", err), err[-2000:]
-
-
-def test_the_default_timeout_is_finite() -> None:
-    assert 0 < ak.state().options.timeout < float("inf")
-    # `accelkit launch` prints it: see test_sigterm_stops_every_rank_and_loader_worker
 
 
 # --- 3. numpy is optional -------------------------------------------------------------------------
