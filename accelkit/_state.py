@@ -125,6 +125,7 @@ class GroupState:
     buffers: dict[str, Any] = field(default_factory=dict)  # reusable slot buffers, by role (see collectives/_wire)
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
     alarm: str = ""  # set by the heartbeat: the ranks wait in different calls (a table); the wait gives up
+    abandoned: bool = False  # a backend call was left waiting: destroying the group would wait for it (see _at_exit)
     # Where this rank is, read by the heartbeat thread; the collectives only write these.
     op: str = ""  # the current or last collective
     entered: float = 0.0  # time.monotonic() when the current collective began; 0.0 between collectives
@@ -150,6 +151,7 @@ _owns_group = False  # whether accelkit created the process group (and so destro
 _exit_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
 warned: set[str] = set()  # warnings given once per process (they outlive reset_state)
+_abandoned = False  # a group of this process was left with a backend call waiting: it is never destroyed
 
 _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them
 
@@ -223,10 +225,12 @@ def reset_state() -> None:
     A group the user created before accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
+    global _abandoned
     with _lock:
         if _current() is not None:
             _stop_upkeep()
-            if _owns_group:
+            _abandoned = _abandoned or group.abandoned
+            if _owns_group and not group.abandoned:
                 _destroy_group()
         _state, _owns_group, breakpoint_requested = None, False, False
         training, group = TrainingState(), GroupState()
@@ -394,4 +398,5 @@ def _at_exit() -> None:
     st = _current()
     models = list(training.models) if st is not None else []
     reset_state()
-    _group.destroy_before_exit(st.strategy if st is not None else None, models)
+    if not _abandoned:  # else it would wait for the abandoned call until the timeout; the exit ends it
+        _group.destroy_before_exit(st.strategy if st is not None else None, models)

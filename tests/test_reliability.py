@@ -176,6 +176,19 @@ def test_a_broadcast_mismatch_reaches_the_source_at_its_next_collective(pool: Wo
     assert pool.run(ak.world_size) == [2, 2]
 
 
+def test_a_launch_whose_ranks_call_different_collectives_ends_promptly(session: list[subprocess.Popen[str]]) -> None:
+    # The backend calls that never meet are left behind, and the processes still exit (not after the timeout).
+    script = str(SCRIPTS / "different_collectives.py")
+    proc = _start(session, ["-m", "accelkit.cli", "launch", "-n", "2", "--cpu", script])
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    assert time.monotonic() - started < 30 and proc.returncode == 1, err[-3000:]
+    assert re.search(r"accelkit: rank [01] failed: accelkit\.errors\.DistributedOperationError: Cannot apply", err)
+    for table in ("Cannot apply accelkit.broadcast: the processes called different collectives as #1.",
+                  "Cannot apply accelkit.gather: the processes called different collectives as #1."):  # fmt: skip
+        assert table in err, err[-3000:]
+
+
 # --- 2. a hang names the rank that never came ---------------------------------------------------------
 
 

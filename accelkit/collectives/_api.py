@@ -330,6 +330,8 @@ class _collective:
         if isinstance(exc, _exchange.Conflict):
             # The backend call cannot end (the others wait in another one): the group is unusable.
             group.closed = f"the processes called different collectives as #{group.seq}"
+            group.abandoned = True
+            _group.abandon()
             raise DistributedOperationError(str(exc)) from None
 
 
