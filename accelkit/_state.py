@@ -12,7 +12,6 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -344,26 +343,12 @@ def reform_group(store: Any, prefix: str) -> None:
     backend and timeout. The caller keeps ``store`` referenced throughout: rank 0's
     TCPStore server would otherwise go away with the old group.
     """
-    import torch.distributed as dist
+    from . import _group
 
     with _lock:
         st = get()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         group.restart_collectives()
-        try:
-            dist.init_process_group(
-                st.backend,
-                store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-                rank=st.rank,
-                world_size=st.world_size,
-                timeout=timedelta(seconds=st.options.timeout),
-            )
-        except Exception as exc:
-            raise StateError(
-                f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
-                f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
-            ) from exc
+        _group.reform(st, store, prefix)
 
 
 def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ through the process group itself, so it still works when a collective is stuck o
 """
 
 from ._board import Position, describe_missing, post_report, read_positions, read_reports
-from ._form import abandon, adopt, destroy, destroy_before_exit, form, start_upkeep, unpin
+from ._form import abandon, adopt, destroy, destroy_before_exit, form, reform, start_upkeep, unpin
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
@@ -23,6 +23,7 @@ __all__ = [
     "post_report",
     "read_positions",
     "read_reports",
+    "reform",
     "start_upkeep",
     "unpin",
     "wait_log_interval",

@@ -11,7 +11,7 @@ from ..errors import ConfigurationError, StateError
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
-__all__ = ["abandon", "adopt", "destroy", "destroy_before_exit", "form", "start_upkeep", "unpin"]
+__all__ = ["abandon", "adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep", "unpin"]
 
 
 def form(
@@ -60,6 +60,27 @@ def form(
             f"started and that MASTER_ADDR/MASTER_PORT agree across them."
         ) from exc
     return store, (str(addr), int(port))
+
+
+def reform(st: Any, store: Any, prefix: str) -> None:
+    """Destroy this process's default group, if any, and form a new one like it on ``store``, under ``prefix``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        dist.init_process_group(
+            st.backend,
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            rank=st.rank,
+            world_size=st.world_size,
+            timeout=timedelta(seconds=st.options.timeout),
+        )
+    except Exception as exc:
+        raise StateError(
+            f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
+            f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
+        ) from exc
 
 
 def adopt(launch: _env.LaunchEnv) -> _env.LaunchEnv:
