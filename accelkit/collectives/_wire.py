@@ -11,7 +11,8 @@ every rank has seen every other's header:
   same slot size from what all ranks sent before, never from its own input. A slot starts with a
   64-byte header (operation, sequence number, a fingerprint of the arguments, structure, dtypes
   and shapes, a digest of every earlier header) and carries the data when it fits: the
-  collective is then that one message (a reduction is computed from the gathered slots). Every
+  collective is then that one message (a reduction is computed from the gathered slots, and the
+  next one at this point of the program is one all-reduce, see :mod:`._plan`). Every
   rank sees every header, so every rank reaches the same verdict, and on a disagreement all of
   them raise debug mode's per-process table. Data that does not fit follows in a second message,
   once the sizes are known to agree. The slot size is learned: each call records, under the key
