@@ -43,6 +43,10 @@ LAUNCHED_BY = "ACCELKIT_LAUNCHED_BY"
 # the config file asks; "cuda" puts every local rank on cuda:0, over gloo (several ranks on one GPU).
 TEST_DEVICE = "ACCELKIT_TEST_DEVICE"
 TEST_DEVICES = ("cpu", "cuda")
+# Seconds between two "still waiting for rank N" lines of a rank stuck in a collective (0: none).
+WAIT_LOG_INTERVAL = "ACCELKIT_WAIT_LOG_INTERVAL"
+# The pid of the process that started this worker: the worker exits when it is gone.
+LAUNCHER_PID = "ACCELKIT_LAUNCHER_PID"
 
 OPTION_VARIABLES = {
     "precision": PRECISION,
@@ -108,6 +112,22 @@ def read_bool(name: str, env: Mapping[str, str] | None = None) -> bool | None:
     if value in _FALSE:
         return False
     raise ConfigurationError(f"environment variable {name}={raw!r} is not a boolean; use 1/0, true/false or yes/no")
+
+
+def read_seconds(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """A non-negative number of seconds from ``name``, ``default`` when unset; a clear error when malformed."""
+    raw = read_str(name, env)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ConfigurationError(
+            f"environment variable {name}={raw!r} is not a number of seconds >= 0; e.g. {name}={default:g}"
+        )
+    return value
 
 
 def read_str(name: str, env: Mapping[str, str] | None = None) -> str | None:

@@ -20,6 +20,11 @@ def _skipped(filename: str, skip: Iterable[str]) -> bool:
     return path.startswith(PACKAGE) or filename in skip or path in skip
 
 
+def is_ours(filename: str) -> bool:
+    """Whether ``filename`` is one of accelkit's modules."""
+    return _skipped(filename, ())
+
+
 def user_frame(skip: Iterable[str] = ()) -> FrameType | None:
     """The innermost frame of the caller's stack that is not accelkit's (nor in ``skip``)."""
     skip = tuple(skip)

@@ -8,7 +8,6 @@ of memory.
 from __future__ import annotations
 
 import contextlib
-import sys
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _env, _state
+from ._group import unpin
 
 # How a collective fails when a peer went away or never came.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
@@ -155,24 +155,9 @@ def break_group() -> weakref.ref[Any] | None:
     if not dist.is_initialized():
         return None
     group = weakref.ref(dist.group.WORLD)
-    _unpin(group())
+    unpin(group())
     dist.destroy_process_group()
     return group
-
-
-def _unpin(group: Any) -> None:
-    """Free ``group`` from torch.distributed.nn.functional's defaults.
-
-    Its functions are written ``def all_reduce(tensor, op=..., group=group.WORLD)``: the
-    defaults hold the group that existed when it was first imported (DDP imports it via
-    torch._dynamo), which keeps that group's gloo connections open after it is destroyed.
-    ``None`` means the default group to torch.distributed, as the defaults intend.
-    """
-    module = sys.modules.get("torch.distributed.nn.functional")
-    for function in vars(module).values() if module is not None else ():
-        defaults = getattr(function, "__defaults__", None)
-        if isinstance(defaults, tuple) and any(d is group for d in defaults):
-            function.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def summary(exc: BaseException) -> str:

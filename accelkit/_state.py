@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _env, _frames, _group
+from . import _env, _frames
 from ._backends import Backend, select_backend
 from ._options import INIT_LAUNCH_NAMES, InitOptions, Options
 from .config import resolve
@@ -119,6 +119,29 @@ class GroupState:
     prefix: str = "accelkit"
     agreements: int = 0
     previous_agreement: str = ""
+    # Collectives (see collectives/_wire.py). Every rank updates these alike, from what all ranks sent.
+    seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
+    chain: int = 0  # a running digest of the headers of every collective so far
+    slot_sizes: dict[int, int] = field(default_factory=dict)  # learned first-message sizes, by the previous call
+    plans: dict[int, Any] = field(default_factory=dict)  # learned all-reduces (collectives/_plan), likewise
+    last_key: int = 0  # the previous two-way collective's key into slot_sizes
+    buffers: dict[str, Any] = field(default_factory=dict)  # reusable slot buffers, by role (see collectives/_wire)
+    closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
+    alarm: str = ""  # set by the heartbeat: the ranks wait in different calls (a table); the wait gives up
+    abandoned: bool = False  # a backend call was left waiting: destroying the group would wait for it (see _at_exit)
+    # Where this rank is, read by the heartbeat thread; the collectives only write these.
+    op: str = ""  # the current or last collective
+    entered: float = 0.0  # time.monotonic() when the current collective began; 0.0 between collectives
+    finished: float = 0.0  # time.monotonic() when the last one ended
+    thread: int = 0  # the thread that called it
+    call: Any = None  # the current collective (its signature() and describe()), for the heartbeat
+    store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
+    board: str = ""  # the key prefix of positions and reports in that store (see _group)
+    heartbeat: Any = None  # the heartbeat thread (see _group)
+
+    def restart_collectives(self) -> None:
+        """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
+        self.seq, self.chain, self.last_key, self.slot_sizes, self.plans, self.buffers = 0, 0, 0, {}, {}, {}
 
 
 @dataclass
@@ -152,6 +175,8 @@ _exit_hook_registered = False
 step_watch: Any = None  # the optimizer-step hook that warns of unprepared optimizers under ak.accumulate
 _tracker_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
+warned: set[str] = set()  # warnings given once per process (they outlive reset_state)
+_abandoned = False  # a group of this process was left with a backend call waiting: it is never destroyed
 
 _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them
 
@@ -290,10 +315,14 @@ def reset_state() -> None:
     accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
+    global _abandoned
     with _lock:
         end_trackers(failed=False)
-        if _current() is not None and _owns_group:
-            _group.destroy()
+        if _current() is not None:
+            _stop_upkeep()
+            _abandoned = _abandoned or group.abandoned
+            if _owns_group and not group.abandoned:
+                _destroy_group()
         _state, _owns_group, breakpoint_requested = None, False, False
         training, group = TrainingState(), GroupState()
 
@@ -395,15 +424,12 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        launch = _group.adopt(launch, dist)
+        from . import _group
+
+        launch = _group.adopt(launch)
         backend = str(dist.get_backend())
     elif launch.world_size > 1:
-        # The elastic agent's store outlives a restart, and this process may form a group again after
-        # reset_state: each attempt and each group gets its own key prefix.
-        prefix = f"accelkit/attempt{launch.restart_count}/group{_generation}"
-        _group.form(launch, backend, options.timeout, launch_opts, prefix)
-        _generation += 1
-        group.prefix = prefix
+        store, address = _init_group(launch, backend, options.timeout, launch_opts)
         owns = True
     from ._strategies import select_strategy
 
@@ -424,16 +450,68 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
         sources=dict(resolved.sources),
         origins=dict.fromkeys(explicit, origin),
     )
-    _state, _owns_group, _origin = st, owns, origin
     if owns:
+        try:
+            from . import _group
+
+            _group.start_upkeep(st, store, address, group)
+        except BaseException:
+            _stop_upkeep()
+            _destroy_group()
+            raise
+    _state, _owns_group, _origin = st, owns, origin
+    if st.distributed:
         _register_exit_hook()
     return st
 
 
-def reform_group(store: Any, prefix: str) -> None:
-    """Replace this process's default group by a fresh one on ``store``, under ``prefix`` (see ``_group.reform``)."""
+def _stop_upkeep() -> None:
+    if group.heartbeat is not None:
+        group.heartbeat.stop()
+    group.heartbeat = group.store = None
+
+
+def close_group(reason: str) -> None:
+    """Refuse every later collective with ``reason``, and destroy the group if accelkit formed it.
+
+    For a rank that found the ranks out of step where no other rank can tell (a broadcast is
+    one-way): the others' current or next collective then fails at once instead of waiting.
+    """
     with _lock:
-        _group.reform(get(), store, prefix)
+        group.closed = reason
+        if _owns_group:
+            _destroy_group()
+
+
+def _init_group(
+    launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any]
+) -> tuple[Any, tuple[str, int]]:
+    global _generation
+    from . import _group
+
+    # The elastic agent's store outlives a restart, and this process may form a group again after
+    # reset_state: each attempt and each group gets its own key prefix.
+    prefix = f"accelkit/attempt{launch.restart_count}/group{_generation}"
+    store, address = _group.form(launch, backend, timeout, launch_opts, prefix)
+    _generation += 1
+    group.prefix = prefix
+    return store, address
+
+
+def reform_group(store: Any, prefix: str) -> None:
+    """Replace this process's default group by a fresh one on ``store``, under ``prefix``.
+
+    Every rank calls it with the same ``prefix``, new to ``store``. The current group, if
+    this process still has one, is destroyed first; the new one has the state's ranks,
+    backend and timeout. The caller keeps ``store`` referenced throughout: rank 0's
+    TCPStore server would otherwise go away with the old group.
+    """
+    from . import _group
+
+    with _lock:
+        st = get()
+        group.restart_collectives()
+        _group.reform(st, store, prefix)
 
 
 def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
@@ -447,9 +525,26 @@ def _check_launch(st: ProcessState, launch_opts: dict[str, Any]) -> None:
             )
 
 
+def _destroy_group() -> None:
+    from . import _group
+
+    _group.destroy()
+
+
 def _register_exit_hook() -> None:
     global _exit_hook_registered
     if not _exit_hook_registered:
-        # Tearing the group down before interpreter exit avoids gloo's SIGABRT at shutdown.
-        atexit.register(reset_state)
+        atexit.register(_at_exit)
         _exit_hook_registered = True
+
+
+def _at_exit() -> None:
+    # A gloo group alive at interpreter exit can abort the process after a run that succeeded:
+    # see _group.destroy_before_exit. Also a group the user created: nothing can use it after exit.
+    from . import _group
+
+    st = _current()
+    models = list(training.models) if st is not None else []
+    reset_state()
+    if not _abandoned:  # else it would wait for the abandoned call until the timeout; the exit ends it
+        _group.destroy_before_exit(st.strategy if st is not None else None, models)

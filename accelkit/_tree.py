@@ -22,7 +22,7 @@ import torch
 
 T = TypeVar("T")
 
-__all__ = ["TreeSpec", "apply_to_tensors", "describe", "flatten", "leaf_paths", "map_tensors", "unflatten"]
+__all__ = ["TreeSpec", "apply_to_tensors", "describe", "flatten", "leaf_paths", "map_tensors", "signature", "unflatten"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +150,19 @@ def leaf_paths(spec: TreeSpec, root: str = "data") -> list[str]:
         part = f".{key}" if spec.kind in ("namedtuple", "dataclass") else f"[{key!r}]"
         paths.extend(leaf_paths(child, root + part))
     return paths
+
+
+def signature(spec: TreeSpec) -> tuple[Any, ...]:
+    """The tree's shape without its leaves, as a hashable tuple: equal for equal structures.
+
+    Example:
+        >>> signature(flatten({"x": torch.zeros(1)}, "doc")[1])
+        ('mapping', 'dict', ('x',), (('leaf',),))
+    """
+    if spec.kind == "leaf":
+        return ("leaf",)
+    name = getattr(spec.type, "__qualname__", "?")
+    return (spec.kind, name, spec.keys, tuple(signature(c) for c in spec.children))
 
 
 def describe(spec: TreeSpec, leaves: list[str]) -> str:

@@ -46,6 +46,7 @@ class WorkerFailure:
     message: str
     traceback: str
     timestamp: float
+    lost_peer: bool = False  # it failed because another rank went away or never came (never the root cause)
 
     def headline(self) -> str:
         if self.exc_type:
@@ -92,12 +93,14 @@ class WorkerError(RuntimeError):
 _SIGTERM = 15  # what the agent sends the workers it stops after a failure
 
 
-def _root_cause_order(f: WorkerFailure) -> tuple[bool, float, int]:
+def _root_cause_order(f: WorkerFailure) -> tuple[bool, bool, float, int]:
     # A worker that died from SIGTERM without an error of its own was stopped because another
     # failed: never the root cause while another failure is known. (The agent also stamps deaths
-    # to the whole second, which would put it before the exception that caused it.)
+    # to the whole second, which would put it before the exception that caused it.) A worker whose
+    # collective lost its peer or timed out waiting for it failed because of another: after every
+    # failure of its own kind (an exception, a death by signal), whatever the timestamps say.
     stopped = not f.exc_type and f.exitcode == -_SIGTERM
-    return (stopped, f.timestamp, f.rank)
+    return (stopped, f.lost_peer, f.timestamp, f.rank)
 
 
 def _describe_exit(exitcode: int | None) -> str:

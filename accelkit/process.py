@@ -89,10 +89,9 @@ def wait_for_everyone() -> None:
     """
     st = _state.get()
     if st.distributed:
-        import torch.distributed as dist
+        from .collectives._api import barrier
 
-        _same_call_everywhere(st, "wait_for_everyone")
-        dist.barrier(**(st.hardware.barrier_kwargs(st.device) if st.hardware else {}))
+        barrier(st)
 
 
 def print(*args: Any, **kwargs: Any) -> None:
@@ -255,17 +254,6 @@ def check_breakpoint() -> bool:
     _state.breakpoint_requested = False
     if not st.distributed:
         return flag
-    import torch.distributed as dist
+    from .collectives._api import any_rank
 
-    _same_call_everywhere(st, "check_breakpoint")
-    shared = torch.tensor([int(flag)], device=st.device)
-    dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-    return bool(shared.item())
-
-
-def _same_call_everywhere(st: ProcessState, op: str) -> None:
-    """In debug mode, make sure every rank is in this same call before entering it."""
-    if st.options.debug:
-        from .collectives._api import compare_calls
-
-        compare_calls(st, op, {})
+    return any_rank(st, "check_breakpoint", flag)

@@ -30,7 +30,7 @@ from . import _env, _frames, _state
 from ._options import LaunchSettings, StateOptions, validate
 from .errors import WorkerError, WorkerFailure
 from .launcher._agent import check_picklable, run_workers
-from .launcher._failures import exception_name
+from .launcher._failures import exception_name, lost_peer
 from .launcher._rendezvous import free_port
 
 if TYPE_CHECKING:
@@ -202,6 +202,7 @@ class WorkerPool:
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
         by_conn = {id(c): r for r, c in enumerate(self._conns)}
         pending = set(range(self.num_processes))
+        restart = False  # a worker closed its process group (its collectives were out of step)
         while pending and time.monotonic() < deadline:
             waitables: list[Any] = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
             for ready in multiprocessing.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic())):
@@ -213,13 +214,14 @@ class WorkerPool:
                     continue
                 rank = by_conn[id(ready)]
                 try:
-                    got_task, ok, value = pickle.loads(ready.recv_bytes())  # type: ignore[union-attr]
+                    got_task, ok, value, closed = pickle.loads(ready.recv_bytes())  # type: ignore[union-attr]
                 except EOFError:  # the worker is gone
                     failures[rank] = _died(rank, self._procs[rank])
                     pending.discard(rank)
                     continue
                 if got_task != task:
                     continue  # a late answer to an abandoned task
+                restart = restart or closed
                 pending.discard(rank)
                 if ok:
                     results[rank] = value
@@ -227,6 +229,8 @@ class WorkerPool:
                     failures[rank] = value
             if failures:
                 deadline = min(deadline, time.monotonic() + self.grace)
+        if restart:
+            self.close()  # the next task starts a fresh group
         if not pending and not failures:
             return [results[r] for r in range(self.num_processes)]
         for rank in pending:
@@ -245,9 +249,9 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
     rank = int(env["RANK"])
     try:
         _state.get()  # join the process group once, up front
-        conn.send_bytes(pickle.dumps((-1, True, None)))
+        conn.send_bytes(pickle.dumps((-1, True, None, False)))
     except BaseException as exc:
-        conn.send_bytes(pickle.dumps((-1, False, _failure(rank, exc))))
+        conn.send_bytes(pickle.dumps((-1, False, _failure(rank, exc), False)))
         return
     try:
         while True:
@@ -260,10 +264,15 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
             task, fn, args, kwargs = item
             _state.new_task()  # each task starts afresh: no training objects, no options or trackers from earlier tasks
             try:
-                answer = pickle.dumps((task, True, fn(*args, **kwargs)))
+                value = fn(*args, **kwargs)
+                closed = bool(_state.group.closed)  # the group is unusable: the pool starts a new one
+                answer = pickle.dumps((task, True, value, closed))
             except BaseException as exc:
-                answer = pickle.dumps((task, False, _failure(rank, exc)))
+                closed = bool(_state.group.closed)
+                answer = pickle.dumps((task, False, _failure(rank, exc), closed))
             conn.send_bytes(answer)
+            if closed:
+                break
     finally:
         _state.reset_state()
         conn.close()
@@ -271,7 +280,7 @@ def _pool_worker(env: dict[str, str], conn: multiprocessing.connection.Connectio
 
 def _failure(rank: int, exc: BaseException) -> WorkerFailure:
     text = _frames.user_traceback(exc)
-    return WorkerFailure(rank, rank, os.getpid(), 1, exception_name(exc), str(exc), text, time.time())
+    return WorkerFailure(rank, rank, os.getpid(), 1, exception_name(exc), str(exc), text, time.time(), lost_peer(exc))
 
 
 def _died(rank: int, proc: multiprocessing.process.BaseProcess) -> WorkerFailure:

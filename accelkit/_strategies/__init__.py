@@ -78,6 +78,10 @@ class Strategy(Protocol):
         """Whether ``obj``'s state is sharded across ranks (saved and loaded per rank, with DCP)."""
         ...
 
+    def release(self, model: nn.Module) -> None:
+        """At interpreter exit: drop ``model``'s references to the process group, so that it goes first."""
+        ...
+
 
 def select_strategy(options: Options, world_size: int, device: torch.device) -> Strategy:
     """The strategy for these options: DeepSpeed when asked for; one process: no wrapping; else DDP or FSDP2."""

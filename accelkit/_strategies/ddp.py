@@ -20,3 +20,12 @@ class DDP(SingleProcess):
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **model_options)
+
+    def release(self, model: nn.Module) -> None:
+        # DDP's reducer, logger and process_group keep the gloo group (and its threads) alive after it was
+        # destroyed; left to the interpreter's teardown, a gloo thread then dies taking the GIL: SIGABRT.
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else getattr(model, "_orig_mod", None)
+        if isinstance(ddp, nn.parallel.DistributedDataParallel):
+            for name in ("reducer", "logger", "process_group"):
+                if name in vars(ddp):
+                    setattr(ddp, name, None)

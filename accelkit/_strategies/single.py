@@ -142,6 +142,9 @@ class SingleProcess:
             model = inner
         return model
 
+    def release(self, model: nn.Module) -> None:
+        pass  # nothing holds a process group
+
     def shards_state(self, obj: Any) -> bool:
         return holds_dtensors(obj)
 

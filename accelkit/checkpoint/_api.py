@@ -17,6 +17,7 @@ its optimizer: each rank's shards, written with ``torch.distributed.checkpoint``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .. import _safe_io, _state, collectives
+from .. import _frames, _group, _safe_io, _state, collectives
 from .._safe_io import CheckpointError
 from . import _commit, _manifest, _rank_state, _sharded
 
@@ -96,7 +97,8 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = Non
     undo = f"nothing was committed; the previous checkpoints are untouched and {tmp.name} is removed by the next save"
     parts = _every_rank_results(call, undo, write)
     files = {name: rec for part in parts for name, rec in part.items()}
-    manifest = _manifest.build(files, sorted([*states, *sharded]), values, st.world_size, sorted(sharded))
+    facts = _group.job_facts(st.options, st.world_size)
+    manifest = _manifest.build(files, sorted([*states, *sharded]), values, st.world_size, sorted(sharded), facts)
 
     def commit() -> None:
         if main:
@@ -248,6 +250,7 @@ def _owners(call: str, sharded: dict[str, Any], objects: dict[str, Any]) -> dict
 def _read(path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Any:
     """Phases one and two: validate every file, then deserialize what this rank needs."""
     body = _manifest.read(path)
+    _warn_versions(path, body, st)
     files: dict[str, _safe_io.FileRecord] = body["files"]
     missing = sorted(set(objects) - set(body.get("objects", [])))
     if missing:
@@ -289,7 +292,29 @@ def _read(path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: 
         if problem and strict:
             raise CheckpointError(f"{path / rank_file} does not fit this run: {problem}")
         mine = None if problem else mine
+        if mine is not None and mine.numpy is not None and _rank_state.numpy_missing():
+            if strict:
+                raise CheckpointError(
+                    f"{path / rank_file} holds NumPy's random state, but numpy cannot be imported here, so it "
+                    f"cannot be restored: pip install numpy, or pass strict=False to load everything else"
+                )
+            mine = dataclasses.replace(mine, numpy=None)
     return body, states, mine
+
+
+def _warn_versions(path: Path, body: dict[str, Any], st: _state.ProcessState) -> None:
+    """Once per process and versions, on the main process: the checkpoint comes from other versions."""
+    change = _manifest.version_change(body)
+    if change and st.is_main_process and change not in _state.warned:
+        _state.warned.add(change)
+        frame = _frames.user_frame()  # the warning points at the user's load_state call
+        warnings.warn_explicit(
+            f"accelkit.load_state({os.fspath(path)!r}): {change}. Loading it anyway; if it does not load or "
+            f"resumes differently, load it with the versions that saved it.",
+            UserWarning,
+            frame.f_code.co_filename if frame else "<unknown>",
+            frame.f_lineno if frame else 0,
+        )
 
 
 def _share(names: list[str], files: dict[str, _safe_io.FileRecord], st: _state.ProcessState) -> list[str]:

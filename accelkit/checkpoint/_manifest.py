@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 import zlib
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from .._safe_io import CheckpointError, FileRecord, checksum
 from .._version import __version__
 
-__all__ = ["MANIFEST", "build", "committed", "read"]
+__all__ = ["MANIFEST", "build", "committed", "read", "version_change"]
 
 MANIFEST = "manifest.json"
 FORMAT = "accelkit-checkpoint"
@@ -39,8 +40,12 @@ def build(
     values: dict[str, Any],
     world_size: int,
     sharded: list[str] | None = None,
+    facts: dict[str, str] | None = None,
 ) -> bytes:
-    """The manifest's bytes for a checkpoint of ``files``; ``sharded`` objects are DCP folders (``NAME.dcp/``)."""
+    """The manifest's bytes for a checkpoint of ``files``; ``sharded`` objects are DCP folders (``NAME.dcp/``).
+
+    ``facts`` are the job's versions and options, as the ranks compared them when their group formed.
+    """
     step = values.get("step")
     body = {
         "format": FORMAT,
@@ -50,6 +55,8 @@ def build(
         "created_ns": time.time_ns(),
         "accelkit": __version__,
         "torch": torch.__version__,
+        "python": platform.python_version(),
+        "job": facts or {},
         "objects": objects,
         "sharded": sharded or [],
         "values": values,
@@ -88,6 +95,18 @@ def read(directory: Path) -> dict[str, Any]:
     if not (isinstance(sharded, list) and set(sharded) <= set(body.get("objects") or [])):
         raise CheckpointError(f"{path}: 'sharded' is {sharded!r}, expected a list of its objects")
     return body
+
+
+def version_change(body: dict[str, Any]) -> str:
+    """How the versions that saved the checkpoint of ``body`` differ from this process's, or ""."""
+    here = {"accelkit": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    names = {"accelkit": "accelkit", "torch": "torch", "python": "Python"}
+    changed = [name for name in here if body.get(name) not in (None, here[name])]
+    if not changed:
+        return ""
+    then = ", ".join(f"{names[n]} {body[n]}" for n in changed)
+    now = ", ".join(f"{names[n]} {here[n]}" for n in changed)
+    return f"it was saved with {then}; this process runs {now}"
 
 
 def _check_files(path: Path, files: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from .. import _state
 
-__all__ = ["RankState", "apply", "capture", "decode", "live_loaders"]
+__all__ = ["RankState", "apply", "capture", "decode", "live_loaders", "numpy_missing"]
 
 
 def live_loaders() -> list[Any]:
@@ -31,7 +31,21 @@ def _device_module(device: torch.device) -> Any:
 
 
 def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
+    # Through a bytearray, not Tensor.numpy(): numpy is optional (torch's CPU wheel does not need it).
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    data = bytearray(flat.numel())
+    if data:
+        torch.frombuffer(data, dtype=torch.uint8).copy_(flat)
+    return base64.b64encode(bytes(data)).decode()
+
+
+def numpy_missing() -> bool:
+    """Whether numpy cannot be imported here (its RNG state can be neither saved nor restored)."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return True
+    return False
 
 
 def capture() -> dict[str, Any]:
@@ -128,14 +142,11 @@ def apply(state: RankState) -> None:
     if state.scaler is not None:
         _state.training.scaler.load_state_dict(state.scaler)
     random.setstate(state.python)
-    if state.numpy is not None:
-        try:
-            import numpy
-        except ImportError:  # nothing here can draw from NumPy's generator, so nothing to restore
-            pass
-        else:
-            name, keys, pos, has_gauss, cached = state.numpy
-            numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    if state.numpy is not None:  # numpy is importable here: check_numpy said so, or it was dropped
+        import numpy
+
+        name, keys, pos, has_gauss, cached = state.numpy
+        numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state.cpu)
     if state.device is not None:
         device = _state.get().device

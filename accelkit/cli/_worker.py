@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
         >>> main(["train.py", "--epochs", "3"])  # doctest: +SKIP
         0
     """
+    _die_with_launcher()
     module = bool(argv) and argv[0] in ("-m", "--module")
     if module:
         argv = argv[1:]
@@ -52,6 +53,16 @@ def main(argv: list[str]) -> int:
         _report(exc)
         return 1
     return 0
+
+
+def _die_with_launcher() -> None:
+    """A launcher killed with SIGKILL takes this worker along (see :mod:`accelkit.launcher._lifeline`)."""
+    from .._env import LAUNCHER_PID, read_int
+    from ..launcher._lifeline import die_with_parent
+
+    launcher = read_int(LAUNCHER_PID)
+    if launcher is not None:
+        die_with_parent(launcher)
 
 
 def _report(exc: BaseException) -> None:

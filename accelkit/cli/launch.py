@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from dataclasses import replace
 
-from .._options import DEFAULT_RDZV_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES, TRACKERS
+from .._options import DEFAULT_RDZV_TIMEOUT, DEFAULT_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES, TRACKERS
 from ..config import config_in_effect
 from ..errors import ConfigurationError
 from ._plan import LaunchPlan, describe, local_processes, plan_launch, print_warnings
@@ -190,6 +191,13 @@ def _run_agent(plan: LaunchPlan) -> int:
     debug = bool(plan.options.get("debug"))
     settings = replace(plan.launch, num_processes=local_processes(plan))
     print_warnings(settings.num_processes or 1)
+    timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)
+    where = plan.sources.get("timeout", "default")
+    print(
+        f"accelkit: a collective that waits {timeout:g} s for the other processes fails the job "
+        f"(timeout, {where}; set ACCELKIT_TIMEOUT or `timeout:` in the config file to change it)",
+        file=sys.stderr,
+    )
     if debug:
         what = (
             f"{settings.num_processes} process(es) on node {settings.node_rank} of {settings.num_nodes} "
@@ -205,7 +213,12 @@ def _run_agent(plan: LaunchPlan) -> int:
     except TimeoutError as exc:  # the nodes did not meet
         print(f"accelkit: {exc}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, SignalException):
+    except KeyboardInterrupt:
         print("accelkit: interrupted; every worker was stopped", file=sys.stderr)
         return 130
+    except SignalException as exc:  # the agent stopped every worker before raising it
+        signum = int(exc.sigval)
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"accelkit: {what}; every worker was stopped", file=sys.stderr)
+        return 128 + signum  # as a shell reports a process ended by that signal: 130, 143
     return 0

@@ -11,15 +11,17 @@ from __future__ import annotations
 import contextlib
 import difflib
 import pickle
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, NoReturn, TypeVar, get_args
 
 import torch
 
-from .. import _state, _tree
+from .. import _group, _state, _tree
 from .._state import ProcessState
 from ..errors import DistributedOperationError
-from . import _debug, _exchange
+from . import _checked, _debug, _exchange
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min", "product"]
@@ -47,8 +49,8 @@ def gather(data: T) -> T:
     leaves, spec = _inputs(st, "gather", {}, data)
     if not st.distributed:
         return data
-    with _communication(st, "gather"):
-        out = _exchange.gather(leaves, st.world_size)
+    with _collective(st, "gather"):
+        out = _checked.gather(st, leaves, spec)
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
@@ -70,8 +72,8 @@ def reduce(data: T, op: ReduceOp = "sum") -> T:
     leaves, spec = _inputs(st, "reduce", {"op": op}, data, _reduce_check(op))
     if not st.distributed:
         return data
-    with _communication(st, "reduce"):
-        out = _exchange.reduce(leaves, op, st.world_size)
+    with _collective(st, "reduce"):
+        out = _checked.reduce(st, leaves, spec, op)
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
@@ -90,8 +92,8 @@ def broadcast(data: T, src: int = 0) -> T:
     leaves, spec = _inputs(st, "broadcast", {"src": src}, data, lambda _, __: _check_src("broadcast", src, st))
     if not st.distributed:
         return data
-    with _communication(st, "broadcast"):
-        out = _exchange.broadcast(leaves, src, st.rank)
+    with _collective(st, "broadcast"):
+        out = _checked.broadcast(st, leaves, spec, src)
     return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
 
 
@@ -116,8 +118,8 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
     padded = [i for i, x in enumerate(leaves) if -x.dim() <= dim < x.dim()]
     dims = [dim % leaves[i].dim() for i in padded]
     lengths = [leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)]
-    with _communication(st, "pad_across_processes"):
-        sizes = _exchange.max_sizes(lengths, st.device, st.world_size)
+    with _collective(st, "pad_across_processes"):
+        sizes = _checked.max_sizes(st, leaves, spec, dim, lengths)
     out = [x.clone() for x in leaves]
     for i, x in zip(padded, _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first), strict=True):
         out[i] = x
@@ -139,8 +141,8 @@ def gather_object(obj: Any) -> list[Any]:
     if not st.distributed:
         return [obj]
     payload = _objects(st, "gather_object", {}, lambda: _dumps("gather_object", obj))
-    with _communication(st, "gather_object"):
-        blobs = _exchange.gather_bytes(payload, st.device, st.world_size)
+    with _collective(st, "gather_object"):
+        blobs = _checked.gather_object(st, payload)
     return [_exchange.loads(b) for b in blobs]
 
 
@@ -161,11 +163,11 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         _check_src("broadcast_object", src, st)
         return _dumps("broadcast_object", obj) if st.distributed and st.rank == src else b""
 
-    payload = _objects(st, "broadcast_object", {"src": src}, prepare)
+    payload = _objects(st, "broadcast_object", {"src": src}, prepare, src)
     if not st.distributed:
         return obj
-    with _communication(st, "broadcast_object"):
-        blob = _exchange.broadcast_bytes(payload, src, st.rank, st.device)
+    with _collective(st, "broadcast_object"):
+        blob = _checked.broadcast_object(st, payload, src)
     return _exchange.loads(blob)  # type: ignore[no-any-return]
 
 
@@ -183,24 +185,54 @@ def _inputs(
         if check is not None:
             check(leaves, spec)
     except (TypeError, ValueError) as exc:
-        if st.distributed and st.options.debug:
-            compare_calls(st, op, params, problem=exc)  # the other ranks raise too
+        _refuse(st, op, params, exc)
         raise
     if st.distributed and st.options.debug:
         compare_calls(st, op, params, leaves, spec, free_dim)
     return leaves, spec
 
 
-def _objects(st: ProcessState, op: str, params: dict[str, Any], prepare: Callable[[], bytes]) -> bytes:
+def _objects(
+    st: ProcessState, op: str, params: dict[str, Any], prepare: Callable[[], bytes], src: int | None = None
+) -> bytes:
     try:
         payload = prepare()
     except (TypeError, ValueError) as exc:
-        if st.distributed and st.options.debug:
-            compare_calls(st, op, params, problem=exc)
+        _refuse(st, op, params, exc)
         raise
     if st.distributed and st.options.debug:
         compare_calls(st, op, params)
     return payload
+
+
+def _refuse(st: ProcessState, op: str, params: dict[str, Any], problem: BaseException) -> None:
+    """This rank's input is invalid: take part all the same, so that every rank raises instead of waiting."""
+    if not st.distributed:
+        return
+    if st.options.debug:
+        compare_calls(st, op, params, problem=problem)  # the other ranks raise too
+        return
+    src = params.get("src")
+    if src is not None and not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < st.world_size):
+        return  # no rank can send from there: every rank raises the same error by itself
+    with _collective(st, op):
+        _checked.refuse(st, op, params, problem, src)
+
+
+def barrier(st: ProcessState) -> None:
+    """``wait_for_everyone``'s exchange: every rank checks that the others are in the same call."""
+    if st.options.debug:
+        compare_calls(st, "wait_for_everyone", {})
+    with _collective(st, "wait_for_everyone"):
+        _checked.barrier(st)
+
+
+def any_rank(st: ProcessState, op: str, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (``check_breakpoint``), checked like every collective."""
+    if st.options.debug:
+        compare_calls(st, op, {})
+    with _collective(st, op):
+        return _checked.either(st, op, flag)
 
 
 def compare_calls(st: ProcessState, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
@@ -273,18 +305,62 @@ def _communication(st: ProcessState, op: str) -> Iterator[None]:
         _failed(op, st, exc)
 
 
-def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError) -> NoReturn:
-    """Name the operation in a backend failure (a timeout, a lost peer)."""
+class _collective:
+    """One collective: counted, its start and end noted for the heartbeat, a backend failure named."""
+
+    __slots__ = ("group", "op", "st")
+
+    def __init__(self, st: ProcessState, op: str) -> None:
+        self.st, self.op, self.group = st, op, _state.group
+
+    def __enter__(self) -> None:
+        group = self.group
+        group.seq += 1
+        group.op, group.thread, group.entered = self.op, threading.get_ident(), time.monotonic()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        group = self.group
+        group.entered, group.finished, group.call = 0.0, time.monotonic(), None
+        if isinstance(exc, _exchange.CommunicationError):
+            _failed(self.op, self.st, exc, group.seq)
+        if isinstance(exc, _exchange.Conflict):
+            # The backend call cannot end (the others wait in another one): the group is unusable.
+            group.closed = f"the processes called different collectives as #{group.seq}"
+            group.abandoned = True
+            _group.abandon()
+            raise DistributedOperationError(str(exc)) from None
+
+
+def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError, seq: int | None = None) -> NoReturn:
+    """Name the operation in a backend failure (a timeout, a lost peer), and the ranks it waited for."""
     exc = error.cause
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    name = f"accelkit.{op}" + (f" #{seq}" if seq is not None else "")
+    lines = [f"{name} failed on process {st.rank} of {st.world_size}: {first}", *_whereabouts(st, op, seq)]
     raise DistributedOperationError(
-        f"accelkit.{op} failed on process {st.rank} of {st.world_size}: {first}\n"
+        "\n".join(lines) + "\n"
         f"Collectives wait at most {st.options.timeout:g} s (the `timeout` option of ak.init / "
-        f"@ak.distributed, or ACCELKIT_TIMEOUT). A timeout or a lost peer usually means that the "
-        f"processes called different collectives, or passed inputs of different shapes or dtypes, "
-        f"or that another process failed first. Run with debug=True (or ACCELKIT_DEBUG=1) to "
-        f"compare every collective's inputs across processes and get a per-process report."
+        f"@ak.distributed, or ACCELKIT_TIMEOUT). A timeout or a lost peer usually means that another "
+        f"process failed first, is stuck, or called the collectives in another order. Run with debug=True "
+        f"(or ACCELKIT_DEBUG=1) to compare every collective's inputs across processes as they are called."
     ) from exc
+
+
+def _whereabouts(st: ProcessState, op: str, seq: int | None) -> list[str]:
+    """What the other ranks posted to the store: why one closed the group, and where each one is."""
+    group = _state.group
+    if group.store is None or seq is None:
+        return []
+    try:
+        reports = _group.read_reports(group.store, group.board)
+        if reports:
+            return [f"process {rank} stopped the group first:\n{text}" for rank, text in reports]
+        if group.heartbeat is not None:  # a fresh position from every rank that is still alive
+            time.sleep(group.heartbeat.period)
+        positions = _group.read_positions(group.store, group.board, st.world_size)
+        return _group.describe_missing(st.rank, op, seq, positions, list(range(st.world_size))).splitlines()
+    except Exception:  # the store went with the rank that hosted it
+        return []
 
 
 def _suggest(value: str, valid: tuple[str, ...]) -> str:

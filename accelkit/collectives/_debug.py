@@ -20,7 +20,7 @@ from .._state import ProcessState
 from ..errors import DistributedOperationError
 from . import _exchange
 
-__all__ = ["check"]
+__all__ = ["check", "leaf_text"]
 
 _RULES = {
     "gather": "every process must pass the same structure, dtypes and shapes; to gather tensors whose "
@@ -68,19 +68,22 @@ def _describe(
     if problem is not None or leaves is None or spec is None:
         error = f"{type(problem).__name__}: {problem}" if problem is not None else None
         return {"op": op, "args": args, "structure": None, "key": (), "text": "", "error": error}
-    texts = [_leaf_text(x) for x in leaves]
+    texts = [leaf_text(x) for x in leaves]
     key = []
     for x in leaves:
         shape: list[int | None] = list(x.shape)
         if free_dim is not None and -x.dim() <= free_dim < x.dim():
             shape[free_dim % x.dim()] = None  # free to differ across processes
+        elif free_dim is not None:
+            shape = [None]  # no such dim: the leaf comes back as it is, whatever its shape
         key.append((str(x.dtype), tuple(shape)))
     structure = _tree.describe(spec, ["*"] * len(leaves))
     return {"op": op, "args": args, "structure": structure, "key": tuple(key), "text": _tree.describe(spec, texts),
             "leaf_texts": texts, "error": None}  # fmt: skip
 
 
-def _leaf_text(x: torch.Tensor) -> str:
+def leaf_text(x: torch.Tensor) -> str:
+    """A tensor as the tables show it: ``float32 [2, 3]``."""
     return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
 
 

@@ -15,23 +15,24 @@ from __future__ import annotations
 import itertools
 import pickle
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import _state
+from ._bytes import WIDER, flat, layout
+
 _BYTE = torch.uint8
-_COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 # Dtypes every backend moves natively; others move as bytes.
 _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}  # fmt: skip
-# Dtypes that gloo and nccl cannot reduce, and the dtype they are reduced in.
-_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
-          torch.uint64: torch.int64} | {d: torch.float32 for d in (torch.float8_e4m3fn, torch.float8_e5m2)}  # fmt: skip
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
 _SLOT = 1024  # bytes of the first message of an object exchange: 8 of length, then data
 _gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SLICE = timedelta(seconds=1)  # how often a waiting call looks whether it should give up early
 
 
 class CommunicationError(Exception):
@@ -42,19 +43,50 @@ class CommunicationError(Exception):
         self.cause = cause
 
 
-def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+class Conflict(Exception):
+    """The heartbeat found the ranks waiting in different calls of the same number: no wait can end."""
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
     try:
-        return fn(*args, **kwargs)
+        _wait(fn(*args, async_op=True, **kwargs))
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:
         raise CommunicationError(exc) from exc
 
 
+def _wait(work: Any) -> None:
+    """Wait for ``work``; every second, look whether the heartbeat found a conflict (then give up)."""
+    while work is not None:
+        try:
+            work.wait(_SLICE)
+            return
+        except RuntimeError as exc:
+            if not str(exc).startswith("Operation timed out"):
+                raise
+        if _state.group.alarm:  # the ranks are in different calls (see _group's heartbeat)
+            raise Conflict(_state.group.alarm)
+
+
+def accepts_short_messages(backend: str) -> bool:
+    """Whether ``backend`` lets a receiver post a buffer longer than the message (gloo: yes; nccl: no)."""
+    return backend == "gloo"
+
+
+def broadcast_tensor(x: torch.Tensor, src: int) -> None:
+    _call(dist.broadcast, x, src)
+
+
+def all_reduce(x: torch.Tensor, op: str) -> None:
+    """Reduce ``x`` in place over the ranks with ``op`` ("sum", "max", "min" or "product")."""
+    _call(dist.all_reduce, x, _OPS[op])
+
+
 def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order."""
     try:
-        _gather_single(out, x)
+        _wait(_gather_single(out, x, async_op=True))
         return
     except torch.OutOfMemoryError:
         raise
@@ -107,7 +139,7 @@ def broadcast(leaves: list[torch.Tensor], src: int, rank: int) -> list[torch.Ten
         if rank == src:
             order, buf, offsets = _pack(group)
         else:
-            order, size, offsets = _layout(group)
+            order, size, offsets = layout(group)
             buf = torch.empty(size, dtype=_BYTE, device=group[0].device)
         _call(dist.broadcast, buf, src)
         for j, part in zip(order, torch.split(buf, _sizes(offsets, buf.numel())), strict=False):
@@ -119,16 +151,16 @@ def broadcast(leaves: list[torch.Tensor], src: int, rank: int) -> list[torch.Ten
 def reduce(leaves: list[torch.Tensor], op: str, world: int) -> list[torch.Tensor]:
     leaves = _data(leaves)
     red = dist.ReduceOp.SUM if op == "mean" and any(x.is_complex() for x in leaves) else _OPS[op]
-    if len(leaves) == 1 and leaves[0].dtype not in _WIDER:  # the common case, kept lean
+    if len(leaves) == 1 and leaves[0].dtype not in WIDER:  # the common case, kept lean
         buf = leaves[0].clone(memory_format=torch.contiguous_format).resolve_conj()
         _call(dist.all_reduce, buf, red)
         return [buf / world if red != _OPS[op] else buf]
     result: list[torch.Tensor | None] = [None] * len(leaves)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, x in enumerate(leaves):
-        groups.setdefault((x.device, _WIDER.get(x.dtype, x.dtype)), []).append(i)
+        groups.setdefault((x.device, WIDER.get(x.dtype, x.dtype)), []).append(i)
     for (_, dtype), indices in groups.items():
-        buf = torch.cat([_flat(leaves[i]).to(dtype) for i in indices])
+        buf = torch.cat([flat(leaves[i]).to(dtype) for i in indices])
         _call(dist.all_reduce, buf, red)
         if red != _OPS[op]:  # the mean of complex tensors: no backend averages them
             buf /= world
@@ -172,25 +204,20 @@ def gather_bytes(payload: bytes, device: torch.device, world: int) -> list[bytes
     rest = max(lengths) - (_SLOT - 8)
     if rest <= 0:
         return [bytes(r[8 : 8 + n]) for r, n in zip(rows, lengths, strict=True)]
-    tail = _to_tensor(payload[_SLOT - 8 :].ljust(rest, b"\0"), device)
+    tail = to_tensor(payload[_SLOT - 8 :].ljust(rest, b"\0"), device)
     out = tail.new_empty(world * rest)
     all_gather(out, tail, world)
     tails = _split(_host_bytes(out), rest)
     return [bytes((r[8:] + t)[:n]) for r, t, n in zip(rows, tails, lengths, strict=True)]
 
 
-def broadcast_bytes(payload: bytes, src: int, rank: int, device: torch.device) -> bytes:
-    """Rank ``src``'s ``payload`` on every rank (other ranks pass ``b""``)."""
-    first = _slot(payload, device) if rank == src else torch.empty(_SLOT, dtype=_BYTE, device=device)
-    _call(dist.broadcast, first, src)
-    head = _host_bytes(first)
-    n = int.from_bytes(head[:8], "little")
-    rest = n - (_SLOT - 8)
-    if rest <= 0:
-        return bytes(head[8 : 8 + n])
-    tail = _to_tensor(payload[_SLOT - 8 :], device) if rank == src else torch.empty(rest, dtype=_BYTE, device=device)
-    _call(dist.broadcast, tail, src)
-    return bytes(head[8:]) + bytes(_host_bytes(tail))
+def gather_padded(payload: bytes, width: int, lengths: list[int], device: torch.device, world: int) -> list[bytes]:
+    """Every rank's ``payload`` (``lengths`` bytes each, agreed beforehand), padded to ``width`` in one all-gather."""
+    mine = to_tensor(payload.ljust(width, b"\0"), device)
+    out = mine.new_empty(world * width)
+    all_gather(out, mine, world)
+    data = _host_bytes(out)
+    return [bytes(data[r * width : r * width + n]) for r, n in enumerate(lengths)]
 
 
 def loads(payload: bytes) -> Any:
@@ -202,10 +229,10 @@ def _slot(payload: bytes, device: torch.device) -> torch.Tensor:
     head[:8] = len(payload).to_bytes(8, "little")
     chunk = payload[: _SLOT - 8]
     head[8 : 8 + len(chunk)] = chunk
-    return _to_tensor(head, device)
+    return to_tensor(head, device)
 
 
-def _to_tensor(data: bytes | bytearray, device: torch.device) -> torch.Tensor:
+def to_tensor(data: bytes | bytearray, device: torch.device) -> torch.Tensor:
     if not data:
         return torch.empty(0, dtype=_BYTE, device=device)
     return torch.frombuffer(bytearray(data), dtype=_BYTE).to(device)
@@ -229,30 +256,14 @@ def _by_device(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _layout(leaves: list[torch.Tensor]) -> tuple[list[int], int, list[int]]:
-    """Pack order (largest element first, so offsets stay aligned), total size, offsets."""
-    order = sorted(range(len(leaves)), key=lambda i: -leaves[i].element_size())
-    offsets = [0]
-    for i in order:
-        offsets.append(offsets[-1] + leaves[i].numel() * leaves[i].element_size())
-    align = leaves[order[0]].element_size() if leaves else 1
-    return order, -(-offsets[-1] // align) * align, offsets
-
-
 def _sizes(offsets: list[int], total: int) -> list[int]:
     """The byte size of each packed leaf, then of the alignment padding."""
     return [b - a for a, b in itertools.pairwise(offsets)] + [total - offsets[-1]]
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous 1-d tensor (a view when it already is one)."""
-    # contiguous(): reshape keeps a broadcast (stride 0) view as it is, which cannot be viewed as bytes
-    return (x.resolve_conj() if x.dtype in _COMPLEX else x).contiguous().view(-1)
-
-
 def _pack(leaves: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, list[int]]:
-    order, size, offsets = _layout(leaves)
-    parts = [_flat(leaves[i]).view(_BYTE) for i in order]
+    order, size, offsets = layout(leaves)
+    parts = [flat(leaves[i]).view(_BYTE) for i in order]
     if size > offsets[-1]:
         parts.append(torch.zeros(size - offsets[-1], dtype=_BYTE, device=leaves[0].device))  # alignment
     return order, torch.cat(parts) if parts else torch.empty(0, dtype=_BYTE), offsets

@@ -22,6 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import _state, _tree, collectives
 from .._options import is_int
 from .._state import ProcessState
+from ..launcher._lifeline import LoaderWorkerLifeline
 from ._loader import ActiveLoader, LoaderPlan, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
@@ -323,7 +324,8 @@ def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
+        # Workers die with this rank (Linux), whatever ends it; the user's init function runs after.
+        "worker_init_fn": LoaderWorkerLifeline(loader.worker_init_fn) if loader.num_workers else loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": torch.Generator(),  # owned: iterating never draws from the global RNG
         "prefetch_factor": loader.prefetch_factor,

@@ -24,6 +24,7 @@ from typing import Any
 from .. import _env, _state
 from .._options import LaunchSettings
 from ._failures import collect_failures, record_failure
+from ._lifeline import die_with_parent
 from ._rendezvous import rendezvous_store
 from ._spec import Command, FunctionRef, Job
 from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
@@ -65,10 +66,13 @@ def run_workers(
     worker_env: dict[str, str] = {_env.RUN_DIR: run_dir}  # where they record failures, even before their job runs
     if isinstance(target, Command):
         entrypoint, agent_args = sys.executable, list(target.argv)
-        worker_env.update({**env, **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
+        worker_env.update({**env, _env.LAUNCHER_PID: str(os.getpid())})
+        if threads:
+            worker_env["OMP_NUM_THREADS"] = str(threads)
     else:
         setup = capture_logging() if start_method != "fork" else None  # a forked worker has it already
-        entrypoint, agent_args = worker_main, [Job(target, args, kwargs, run_dir, env, threads, watchdog, setup)]
+        job = Job(target, args, kwargs, run_dir, env, threads, watchdog, logging=setup, launcher_pid=os.getpid())
+        entrypoint, agent_args = worker_main, [job]
     if start_method == "fork":
         flush_std_streams()  # or forked workers print what this process still buffers
     try:
@@ -111,6 +115,7 @@ def _launch_config(config: LaunchSettings, endpoint: str, run_id: str, run_dir: 
 
 def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
+    die_with_parent(job.launcher_pid)  # a launcher killed with SIGKILL takes its workers along
     os.environ.update(job.env)
     whole_lines_to_notebook()
     if job.logging is not None:

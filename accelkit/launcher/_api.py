@@ -203,8 +203,10 @@ def _missing_main_guard(fn: Any) -> NoReturn:
 
 def _interrupted(exc: BaseException) -> NoReturn:
     """Interrupted (Ctrl-C, SIGTERM): end like ``accelkit launch`` does, not with the agent's traceback."""
-    code = 128 + int(getattr(exc, "sigval", signal.SIGINT))
-    print(f"accelkit: interrupted ({signal.Signals(code - 128).name}); every worker was stopped", file=sys.stderr)
+    signum = int(getattr(exc, "sigval", signal.SIGINT))
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"accelkit: {what}; every worker was stopped", file=sys.stderr)  # as `accelkit launch` says it
+    code = 128 + signum
     main = sys.modules.get("__main__")
     if not getattr(main, "__file__", None):  # a notebook or a REPL: the interrupt reaches the cell
         raise KeyboardInterrupt from None

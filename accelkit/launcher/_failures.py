@@ -16,7 +16,7 @@ from typing import Any
 from .. import _env, _frames, _safe_io
 from ..errors import ConfigurationError, WorkerError, WorkerFailure
 
-__all__ = ["collect_failures", "exception_name", "record_failure"]
+__all__ = ["collect_failures", "exception_name", "lost_peer", "record_failure"]
 
 
 def record_failure(run_dir: str, exc: BaseException, text: str | None = None) -> None:
@@ -38,9 +38,32 @@ def record_failure(run_dir: str, exc: BaseException, text: str | None = None) ->
         "message": str(exc),
         "traceback": text if text is not None else _frames.user_traceback(exc),
         "timestamp": time.time(),
+        "lost_peer": lost_peer(exc),
     }
     name = f"rank{rank}.json" if rank is not None else f"pid{os.getpid()}.json"
     _safe_io.write_atomic(Path(folder) / name, json.dumps(report).encode())
+
+
+# How a collective fails because of another rank: it went away, or never came.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "stopped the group first")  # fmt: skip
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it came from) says that a peer rank went away or never came.
+
+    Example:
+        >>> lost_peer(RuntimeError("Read error: Connection reset by peer"))
+        True
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(marker in str(e) for marker in _LOST_PEER):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def exception_name(exc: BaseException) -> str:
@@ -81,6 +104,7 @@ def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerErro
                 message=report.get("message", ""),
                 traceback=report.get("traceback", ""),
                 timestamp=report.get("timestamp", getattr(seen, "timestamp", time.time())),
+                lost_peer=bool(report.get("lost_peer", False)),
             )
         )
     return WorkerError(failures)

@@ -47,6 +47,7 @@ class Job:
     threads: int | None = None
     watchdog: float | None = None
     logging: LoggingSetup | None = None  # the launching process's logging, for spawned workers
+    launcher_pid: int | None = None  # the process that started the workers: they die with it
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+"""The process group's own upkeep: the handshake when it forms, the heartbeat while it lives.
+
+Everything here goes through the job's key-value store (the one the group was formed on), never
+through the process group itself, so it still works when a collective is stuck or a rank is gone.
+"""
+
+from ._board import Position, describe_missing, post_report, read_positions, read_reports
+from ._form import abandon, adopt, destroy, destroy_before_exit, form, reform, start_upkeep, unpin
+from ._handshake import handshake, job_facts
+from ._heartbeat import Heartbeat, wait_log_interval
+
+__all__ = [
+    "Heartbeat",
+    "Position",
+    "abandon",
+    "adopt",
+    "describe_missing",
+    "destroy",
+    "destroy_before_exit",
+    "form",
+    "handshake",
+    "job_facts",
+    "post_report",
+    "read_positions",
+    "read_reports",
+    "reform",
+    "start_upkeep",
+    "unpin",
+    "wait_log_interval",
+]

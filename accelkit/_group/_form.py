@@ -1,0 +1,177 @@
+"""Forming a group: its store and process group, then the handshake and this rank's heartbeat."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any
+
+from .. import _env
+from ..errors import ConfigurationError, StateError
+from ._handshake import handshake, job_facts
+from ._heartbeat import Heartbeat, wait_log_interval
+
+__all__ = ["abandon", "adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep", "unpin"]
+
+
+def form(
+    launch: _env.LaunchEnv, backend: str, timeout: float, launch_opts: dict[str, Any], prefix: str
+) -> tuple[Any, tuple[str, int]]:
+    """Join (rank 0: host) the job's store and form the default process group on it, under ``prefix``.
+
+    Returns the store and its address. Raises :class:`ConfigurationError` when the launcher left
+    the address out, :class:`StateError` when the group does not form within ``timeout`` seconds.
+    """
+    import torch.distributed as dist
+
+    addr = launch.master_addr or launch_opts.get("master_addr")
+    port = launch.master_port or launch_opts.get("master_port")
+    if addr is None:
+        if launch.num_nodes > 1:
+            raise ConfigurationError(
+                f"rank {launch.rank}: {launch.launcher} started {launch.num_nodes} nodes but "
+                f"MASTER_ADDR is not set; export MASTER_ADDR=<address of the rank-0 node>"
+            )
+        addr = "127.0.0.1"
+    if port is None:
+        if launch.launcher in ("openmpi", "pmi", "slurm"):
+            port = 29500  # torch's conventional default; set MASTER_PORT to choose another
+        else:
+            raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            str(addr),
+            int(port),
+            launch.world_size,
+            is_master=launch.rank == 0 and not launch.agent_store,
+            timeout=timedelta(seconds=timeout),
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+    except Exception as exc:
+        raise StateError(
+            f"rank {launch.rank} of {launch.world_size} could not join the {backend} process "
+            f"group at {addr}:{port} within {timeout:g} s: {exc}. Check that every rank was "
+            f"started and that MASTER_ADDR/MASTER_PORT agree across them."
+        ) from exc
+    return store, (str(addr), int(port))
+
+
+def reform(st: Any, store: Any, prefix: str) -> None:
+    """Destroy this process's default group, if any, and form a new one like it on ``store``, under ``prefix``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        dist.init_process_group(
+            st.backend,
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            rank=st.rank,
+            world_size=st.world_size,
+            timeout=timedelta(seconds=st.options.timeout),
+        )
+    except Exception as exc:
+        raise StateError(
+            f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
+            f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
+        ) from exc
+
+
+def adopt(launch: _env.LaunchEnv) -> _env.LaunchEnv:
+    """Where this process stands in a process group the user formed (checked against the launcher's variables)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if launch.launcher == "none":
+        return _env.LaunchEnv("user", rank, world, rank, world, 0, 1)
+    if (launch.rank, launch.world_size) != (rank, world):
+        raise StateError(
+            f"the existing process group says rank {rank} of {world}, but the {launch.launcher} "
+            f"variables say rank {launch.rank} of {launch.world_size}; create the group with "
+            f"the launcher's RANK and WORLD_SIZE, or let accelkit create it"
+        )
+    return launch
+
+
+def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> None:
+    """The handshake (every rank the same software and options), then this rank's heartbeat.
+
+    ``st`` is the new ``ProcessState``; ``group`` its ``GroupState``, which gets the heartbeat's
+    store client, the key prefix of the board and the heartbeat thread.
+    """
+    import torch.distributed as dist
+
+    facts = job_facts(st.options, st.world_size)
+    handshake(dist.PrefixStore(f"{group.prefix}/handshake", store), st.rank, st.world_size, facts)  # type: ignore[attr-defined]
+    # The heartbeat's own connection, with a short timeout: a store gone away must not hold it for minutes.
+    client = dist.TCPStore(address[0], address[1], None, False, timedelta(seconds=5), wait_for_workers=False)  # type: ignore[attr-defined]
+    group.store, group.board = client, f"{group.prefix}/board"
+    group.heartbeat = Heartbeat(client, group.board, st.rank, st.world_size, group, wait_log_interval())
+    group.heartbeat.start()
+
+
+def unpin(group: Any) -> None:
+    """Free ``group`` from torch.distributed.nn.functional's defaults.
+
+    Its functions are written ``def all_reduce(tensor, op=..., group=group.WORLD)``: the
+    defaults hold the group that existed when it was first imported (DDP imports it via
+    torch._dynamo), which keeps that group's gloo connections open after it is destroyed.
+    ``None`` means the default group to torch.distributed, as the defaults intend.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            function.__defaults__ = tuple(None if d is group else d for d in defaults)
+
+
+def destroy() -> Any:
+    """Destroy every process group (the default one and those made from it); the default one, or None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    default = dist.group.WORLD
+    unpin(default)  # torch.distributed.nn.functional's defaults would keep it alive
+    dist.destroy_process_group()
+    return default
+
+
+def destroy_before_exit(strategy: Any, models: list[Any]) -> None:
+    """At interpreter exit, before Python tears itself down: every group destroyed, and collected.
+
+    A gloo group that outlives the atexit hooks is torn down during the interpreter's finalization:
+    its worker threads exit then, and one that takes the GIL on its way out is killed by Python,
+    unwinding through C++ that cannot be unwound: std::terminate, SIGABRT ("terminate called without
+    an active exception"), now and then, after a run that succeeded. destroy_process_group() alone
+    does not end the threads while a DDP model (often a script's global) holds the group: the models
+    ``strategy`` prepared let go of it, and the group is collected here, while Python is whole.
+    """
+    import gc
+
+    if destroy() is not None or models:
+        for model in models:
+            if strategy is not None:
+                strategy.release(model)
+        gc.collect()
+
+
+def abandon() -> None:
+    """Never destroy the default group: one of its backend calls waits for ranks that went elsewhere.
+
+    Destroying it (also at interpreter exit, when Python clears torch's registry of groups) joins its
+    threads, which wait for that call until the collective timeout: minutes for a process that failed
+    at once. Its Python object is kept alive for good instead, so that the process exits as it should.
+    """
+    import ctypes
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(dist.group.WORLD))

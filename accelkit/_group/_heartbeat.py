@@ -1,0 +1,106 @@
+"""A daemon thread per rank: it publishes where the rank is, and says whom a long wait is for.
+
+The collectives themselves only write a few fields of ``_state.group`` (operation, number, entry
+time): nothing on their hot path touches the store. Every ``period`` seconds this thread reads
+those fields and, when they changed, publishes them with the user's line the rank is running
+now. While the rank has been waiting in one collective for ``interval`` seconds (30 by default,
+``ACCELKIT_WAIT_LOG_INTERVAL``; 0 turns it off), it prints one line every ``interval`` seconds
+naming the ranks that have not arrived and where they are.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from .. import _env, _frames
+from ._board import Position, describe_missing, find_conflict, publish, read_positions
+
+__all__ = ["Heartbeat", "wait_log_interval"]
+
+DEFAULT_INTERVAL = 30.0
+
+
+def wait_log_interval() -> float:
+    """Seconds between two "still waiting" lines (``ACCELKIT_WAIT_LOG_INTERVAL``; 0: none)."""
+    return _env.read_seconds(_env.WAIT_LOG_INTERVAL, DEFAULT_INTERVAL)
+
+
+class Heartbeat(threading.Thread):
+    """Publishes this rank's position through ``store`` until :meth:`stop`.
+
+    ``group`` is the state's ``GroupState`` (read, never written: ``op``, ``seq``, ``entered``,
+    ``finished``, ``thread``); ``store`` a client with a short timeout, used by this thread only.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int, group: Any, interval: float) -> None:
+        super().__init__(name=f"accelkit-heartbeat-rank{rank}", daemon=True)
+        self.store, self.prefix, self.rank, self.world, self.group = store, prefix, rank, world, group
+        self.interval = interval
+        # Fresh enough that a timeout names the right ranks; rare enough to cost nothing.
+        self.period = min(1.0, interval / 2) if interval > 0 else 1.0
+        self._stopped = threading.Event()
+        self._last: tuple[Any, ...] = ()
+        self._reported = 0  # "still waiting" lines printed for the current wait
+
+    def start(self) -> None:
+        self.beat()  # the rank's key exists before anyone can read it
+        super().start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=10)
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.period):
+            try:
+                self.beat()
+            except Exception:  # the store went away: the collectives say so themselves
+                if self._stopped.wait(5 * self.period):
+                    return
+
+    def beat(self) -> None:
+        """Publish the position if it changed; look for a conflict, or say whom a long wait is for."""
+        g = self.group
+        op, seq, entered, finished, current = g.op, g.seq, g.entered, g.finished, g.call
+        inside = entered > 0
+        call = current if inside else None  # the collective's Call: signature() and describe()
+        signature = call.signature() if call is not None else ""
+        where = self._where(g.thread or threading.main_thread().ident or 0)
+        state = (op, seq, inside, where, signature)
+        now, mono = time.time(), time.monotonic()
+        if state != self._last:
+            since = now - (mono - (entered if inside else finished or mono))
+            text = call.describe() if call is not None else ""
+            publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, now, signature, text))
+            self._last = state
+            self._reported = 0
+        if not inside or mono - entered < 2 * self.period:
+            return
+        positions = read_positions(self.store, self.prefix, self.world)
+        if not g.alarm:
+            g.alarm = find_conflict(self.rank, seq, signature, positions)
+        if self.interval > 0 and mono - entered >= self.interval * (self._reported + 1):
+            self._reported += 1
+            self._say_waiting(op, seq, mono - entered, positions)
+
+    def _say_waiting(self, op: str, seq: int, waited: float, positions: dict[int, Position]) -> None:
+        missing = describe_missing(self.rank, op, seq, positions, list(range(self.world)))
+        head, _, details = missing.partition("\n")
+        ranks = head.removeprefix("processes ").removeprefix("process ").removesuffix(" never reached it")
+        whom = f"rank {ranks}" if head != "every other process reached it" else "the others"
+        lines = [f"accelkit: rank {self.rank}: still waiting for {whom} at {op} #{seq} ({waited:.0f} s)"]
+        lines += [f"accelkit: rank {self.rank}: {line.strip()}" for line in details.splitlines()]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _where(thread: int) -> str:
+        frame = sys._current_frames().get(thread) if thread else None
+        while frame is not None and _frames.is_ours(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:
+            return "<not in Python code>"
+        return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
