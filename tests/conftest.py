@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from processes import alive
 
 import accelkit as ak
 from accelkit.testing import WorkerPool
@@ -46,15 +47,7 @@ def _children() -> set[int]:
 
 
 def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[-1][0] != "Z":
-                    alive.add(pid)
-        except OSError:
-            pass
-    return alive
+    return {pid for pid in pids if alive(pid)}
 
 
 _pools: list[WorkerPool] = []

@@ -93,6 +93,7 @@ def test_resume_is_bit_exact_on_two_processes(pool: WorkerPool, tmp_path: Path) 
     assert resumed == reference and reference[0] != reference[1]
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_bit_exact(pool: WorkerPool, tmp_path: Path) -> None:
     reference = pool.run(train, str(tmp_path / "ref"), 14)
     results = run_distributed(elastic_train, (str(tmp_path / "run"),), max_restarts=1, task_timeout=90)

@@ -153,6 +153,7 @@ def test_launch_warnings_do_not_import_torch() -> None:
 # --- accelkit test ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_selftest_passes_with_the_config_in_effect(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     path = write_config(tmp_path, "num_processes: 2\nprecision: bf16\ndebug: true\ncpu: true\n")

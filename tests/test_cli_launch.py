@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import alive, subprocess_env
 
 from accelkit.cli import build_parser, main
 from accelkit.cli._mpirun import hostfile_hosts, mpirun_command
@@ -208,11 +209,10 @@ def test_mpirun_other_than_open_mpi_is_refused(
 
 
 def _env(report_dir: Path | None = None, threads: str | None = "1") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_", "OMP_NUM_THREADS"))}
-    env.update(ACCELKIT_CONFIG_FILE="", PYTHONPATH=str(ROOT), ACCELKIT_CPU="1")  # CPU ranks on every machine
-    if report_dir is not None:
-        env["REPORT_DIR"] = str(report_dir)
-    if threads is not None:
+    env = subprocess_env(**({} if report_dir is None else {"REPORT_DIR": str(report_dir)}))
+    if threads is None:  # the launcher decides
+        del env["OMP_NUM_THREADS"]
+    else:
         env["OMP_NUM_THREADS"] = threads
     return env
 
@@ -247,6 +247,7 @@ def _reports(report_dir: Path) -> list[dict[str, object]]:
     return [json.loads(p.read_text()) for p in sorted(report_dir.glob("rank*.json"))]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_flags_and_arguments_reach_every_rank(tmp_path: Path) -> None:
     code, _, err = _launch(tmp_path, "-n", "2", "--cpu", "--precision", "bf16", "--debug", PROBE, "a", "-b", "--c")
@@ -292,6 +293,7 @@ def test_a_module_runs_as_main_with_its_arguments_and_a_share_of_the_cores(tmp_p
     assert {r["threads"] for r in reports} == {str(max(1, (os.cpu_count() or 1) // 2))}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
     port = str(_free_port())
@@ -308,6 +310,7 @@ def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
     assert {r["sum"] for r in reports} == {10}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path) -> None:
     port = str(_free_port())
@@ -348,7 +351,7 @@ def test_one_node_listens_on_loopback_only_and_ctrl_c_stops_every_worker(tmp_pat
     assert code == 130
     assert "accelkit: interrupted; every worker was stopped" in err
     for report in _reports(tmp_path):
-        assert not _alive(int(str(report["pid"]))), f"rank {report['rank']} still runs"
+        assert not alive(int(str(report["pid"]))), f"rank {report['rank']} still runs"
     if address is None:
         pytest.skip("no non-loopback address on this machine: only the Ctrl-C half ran")
 
@@ -369,6 +372,7 @@ def test_mpirun_runs_one_group(tmp_path: Path) -> None:
     assert "mpirun -np 2" in err and "-x ACCELKIT_DEBUG" in err  # debug mode prints the command
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_mpirun
 def test_mpirun_names_the_failing_rank(tmp_path: Path) -> None:
@@ -391,11 +395,3 @@ def _non_loopback_address() -> str | None:
     except OSError:
         return None
     return None if address.startswith("127.") else address
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except OSError:
-        return False

@@ -117,6 +117,7 @@ def test_a_worker_stopped_with_sigterm_is_never_the_root_cause() -> None:
     assert ak.WorkerError([raised, killed, stopped]).ranks == [2, 1, 0], "a SIGKILL (OOM) may be the cause"
 
 
+@pytest.mark.slow
 def test_a_hung_worker_times_out_and_says_where_it_was() -> None:
     with pytest.raises(ak.WorkerError) as err:
         run_distributed(hang_on_rank_one, task_timeout=5)

@@ -293,6 +293,7 @@ def oom_while_peer_waits() -> dict[str, Any]:
     return {"batch_size": batch_size, "total": total, "log": log, "after": after, "seconds": seconds, "local": local}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_rank_one_oom_while_rank_zero_waits_in_a_collective() -> None:
     # The collective timeout is 600 s; were rank 0 left waiting, run_distributed would fail at 120 s.
@@ -327,6 +328,7 @@ def ddp_oom_while_peer_waits() -> tuple[list[int], int, list[float]]:
     return log, batch_size, grads
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_ddp_model_built_inside_retries_on_every_rank() -> None:
     (log0, size0, grads0), (log1, size1, grads1) = run_distributed(ddp_oom_while_peer_waits, task_timeout=120)

@@ -41,6 +41,7 @@ def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     ],
     ids=["@ak.distributed", "ak.launch", "accelkit launch"],
 )
+@pytest.mark.slow
 def test_a_ported_script_with_init_inside_the_function_runs_as_asked(argv: list[str]) -> None:
     done = _run(*argv)
     assert done.returncode == 0, done.stderr
@@ -76,6 +77,7 @@ def test_options_set_before_a_launch_reach_the_workers() -> None:
         ak.launch(precision_here, num_processes=2, cpu=True, precision="fp16")
 
 
+@pytest.mark.slow
 def test_a_launch_option_and_a_different_init_in_the_workers_name_both() -> None:
     with pytest.raises(ak.WorkerError) as info:
         ak.launch(init_differently, num_processes=2, cpu=True, precision="fp16")
@@ -151,6 +153,7 @@ def test_an_unprepared_optimizer_inside_accumulate_is_named() -> None:
                 prepared.step()
 
 
+@pytest.mark.slow
 def test_a_missing_main_guard_is_named_in_the_summary() -> None:
     done = _run(sys.executable, str(SCRIPTS / "unguarded.py"))
     assert done.returncode != 0
@@ -158,6 +161,7 @@ def test_a_missing_main_guard_is_named_in_the_summary() -> None:
     assert "call it under `if __name__ == '__main__':`" in summary, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupting_an_in_process_launch_stops_every_worker(tmp_path: Path, sig: int, code: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -181,6 +185,7 @@ def test_interrupting_an_in_process_launch_stops_every_worker(tmp_path: Path, si
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
 
 
+@pytest.mark.slow
 def test_accelerate_launch_spellings_are_accepted_and_typos_get_a_hint(tmp_path: Path) -> None:
     launch = [sys.executable, "-m", "accelkit.cli", "launch"]
     done = _run(*launch, "--num_processes", "2", "--mixed_precision", "bf16", "--cpu", PORTED)

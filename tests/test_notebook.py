@@ -185,6 +185,7 @@ def notebook_tools() -> Any:
     return pytest.importorskip("nbformat")
 
 
+@pytest.mark.slow
 def test_example_notebook_trains_on_two_processes(notebook_tools: Any, tmp_path: Path) -> None:
     nb = notebook_tools.read(EXAMPLE, as_version=4)
     _TimedClient(nb, tmp_path).run()

@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+from processes import alive, subprocess_env
 
 import accelkit as ak
 from accelkit.errors import WorkerFailure
@@ -48,20 +49,6 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
 DOE = "accelkit.errors.DistributedOperationError"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_", "OMP_NUM_THREADS"))}
-    env.update(ACCELKIT_CONFIG_FILE="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_until(condition: Callable[[], bool], seconds: float) -> bool:
@@ -89,7 +76,7 @@ def session() -> Iterator[list[subprocess.Popen[str]]]:
 def _start(session: list[subprocess.Popen[str]], argv: list[str], **env: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, *argv],
-        env=_env(**env),
+        env=subprocess_env(**env),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -140,6 +127,7 @@ TABLES = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(TABLES))
 def test_a_mismatch_raises_the_table_on_every_rank_without_debug_mode(pool: WorkerPool, case: str) -> None:
     started = time.monotonic()
@@ -176,6 +164,7 @@ def test_a_broadcast_mismatch_reaches_the_source_at_its_next_collective(pool: Wo
     assert pool.run(ak.world_size) == [2, 2]
 
 
+@pytest.mark.slow
 def test_a_launch_whose_ranks_call_different_collectives_ends_promptly(session: list[subprocess.Popen[str]]) -> None:
     # The backend calls that never meet are left behind, and the processes still exit (not after the timeout).
     script = str(SCRIPTS / "different_collectives.py")
@@ -202,6 +191,7 @@ def hang_in(op: str) -> None:
         ak.wait_for_everyone()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("op", "label"), [("reduce", "reduce"), ("barrier", "wait_for_everyone")])
 def test_a_hang_names_the_missing_rank(
     op: str, label: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
@@ -266,7 +256,7 @@ def _python_without_numpy(code: str, *args: str, tmp_path: Path) -> subprocess.C
     script.write_text(code)
     return subprocess.run(
         [sys.executable, "-c", WITHOUT_NUMPY, str(script), *args],
-        env=_env(),
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -351,7 +341,7 @@ def test_twenty_runs_exit_cleanly(launcher: str, session: list[subprocess.Popen[
         else:
             done = subprocess.run(
                 [sys.executable, *LAUNCHERS[launcher](_port()), script, "--no-ddp"],
-                env=_env(ACCELKIT_CPU="1"),
+                env=subprocess_env(),
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
@@ -393,14 +383,15 @@ def test_kill_9_of_the_launcher_takes_every_worker_along(
     pids = _probe_pids(tmp_path, proc)
     killed = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
-    gone = _wait_until(lambda: not any(_alive(pid) for pid in pids), 15)
+    gone = _wait_until(lambda: not any(alive(pid) for pid in pids), 15)
     elapsed = time.monotonic() - killed
-    assert gone and elapsed < 5, f"still alive after {elapsed:.1f} s: {[p for p in pids if _alive(p)]}"
+    assert gone and elapsed < 5, f"still alive after {elapsed:.1f} s: {[p for p in pids if alive(p)]}"
 
 
 SIGNALS = [("accelkit launch", signal.SIGTERM), ("@ak.distributed", signal.SIGTERM), ("@ak.distributed", signal.SIGINT)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("launcher", "signum"), SIGNALS)
 def test_sigterm_stops_every_rank_and_loader_worker(
     launcher: str, signum: int, tmp_path: Path, session: list[subprocess.Popen[str]]
@@ -413,7 +404,7 @@ def test_sigterm_stops_every_rank_and_loader_worker(
     elapsed = time.monotonic() - sent
     assert elapsed < 35, f"the launcher took {elapsed:.1f} s (the agent's grace period is 30 s)"
     assert proc.returncode in (128 + signum, -signum), (proc.returncode, err[-3000:])
-    assert _wait_until(lambda: not any(_alive(pid) for pid in pids), 5), [p for p in pids if _alive(p)]
+    assert _wait_until(lambda: not any(alive(pid) for pid in pids), 5), [p for p in pids if alive(p)]
     if launcher == "accelkit launch":
         assert "accelkit: a collective that waits 600 s for the other processes fails the job" in err
         assert "accelkit: stopped by SIGTERM; every worker was stopped" in err
@@ -567,6 +558,7 @@ def test_rotation_and_a_full_disk_keep_a_checkpoint(tmp_path: Path, monkeypatch:
     assert ak.latest_checkpoint(tmp_path) == tmp_path / "step-2" and saved_fill(tmp_path / "step-2") == 2.0
 
 
+@pytest.mark.slow
 def test_a_bad_launch_stops_before_anything_starts(tmp_path: Path, session: list[subprocess.Popen[str]]) -> None:
     probe = str(SCRIPTS / "launch_probe.py")
     config = tmp_path / "config.yaml"

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from processes import subprocess_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.distributed
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_"))}
-    env.update(OMP_NUM_THREADS="1", ACCELKIT_CPU="1", **extra)  # launcher worlds of CPU ranks, on every machine
-    return env
 
 
 def _free_port() -> int:
@@ -31,7 +25,7 @@ def _run_ranks(env_for_rank: list[dict[str, str]]) -> list[dict[str, object]]:
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPTS / "report_state.py")],
-            env=_env(**env),
+            env=subprocess_env(**env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -84,7 +78,9 @@ def test_any_launchers_world_makes_real_ranks_on_cpu(launcher: str) -> None:
 def test_torchrun_workers_see_world_size_two_on_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(_free_port()), str(SCRIPTS / "report_state.py")]  # fmt: skip
-    done = subprocess.run(cmd, env=_env(REPORT_DIR=str(tmp_path)), capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        cmd, env=subprocess_env(REPORT_DIR=str(tmp_path)), capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(o["rank"] for o in ranks) == [0, 1]
@@ -96,7 +92,11 @@ def test_torchrun_workers_see_world_size_two_on_cpu(tmp_path: Path) -> None:
 def test_twenty_consecutive_runs_exit_cleanly() -> None:
     for attempt in range(20):
         done = subprocess.run(
-            [sys.executable, str(SCRIPTS / "two_workers.py")], env=_env(), capture_output=True, text=True, timeout=120
+            [sys.executable, str(SCRIPTS / "two_workers.py")],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 0, f"run {attempt}: {done.stderr}"
         assert done.stdout.strip() == "total 3"
@@ -128,7 +128,9 @@ print(json.dumps({
 
 
 def test_import_initialises_nothing_and_stays_light() -> None:
-    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert not report["dist"] and not report["cuda"] and not report["state"]
@@ -144,6 +146,8 @@ def test_cli_help_does_not_import_torch() -> None:
         "import sys\nfrom accelkit.cli import main\n"
         "try: main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
     )
-    done = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert "accelkit" in done.stdout and done.stdout.strip().endswith("False")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import subprocess_env
 
 import accelkit as ak
 from accelkit.testing import WorkerPool, run_distributed
@@ -138,11 +138,9 @@ def test_a_crash_on_rank_1_leaves_rank_0s_files_flushed_and_readable(tmp_path: P
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_"))}
     command = [sys.executable, "-m", "accelkit.cli", "launch", "-n", "2", "--cpu", "--log-with", "csv"]
     command += ["--project-dir", str(tmp_path), str(ROOT / "tests" / "scripts" / "tracking_probe.py"), *args]
-    env.update(OMP_NUM_THREADS="1", ACCELKIT_CONFIG_FILE="", PYTHONPATH=str(ROOT))
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
 @pytest.mark.distributed

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .. import _safe_io
-from ._values import config_json
+from ._values import start_file_tracker
 
 __all__ = ["CsvTracker", "start"]
 
@@ -68,8 +68,5 @@ class CsvTracker:
 
 def start(directory: Path, project: str, config: Mapping[str, Any], options: dict[str, Any]) -> CsvTracker:
     """``metrics.csv`` in ``directory`` (and ``config.json`` when there is a config); no options."""
-    if options:
-        raise TypeError(f"the csv tracker takes no init_kwargs, got {sorted(options)}")
-    if config:
-        _safe_io.write_atomic(directory / "config.json", config_json(config).encode("utf-8"))
+    start_file_tracker("csv", directory, config, options)
     return CsvTracker(directory / "metrics.csv")

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from .. import _safe_io
-from ._values import config_json, json_number
+from ._values import json_number, start_file_tracker
 
 __all__ = ["JsonlTracker", "start"]
 
@@ -41,8 +40,5 @@ class JsonlTracker:
 
 def start(directory: Path, project: str, config: Mapping[str, Any], options: dict[str, Any]) -> JsonlTracker:
     """``metrics.jsonl`` in ``directory`` (and ``config.json`` when there is a config); no options."""
-    if options:
-        raise TypeError(f"the jsonl tracker takes no init_kwargs, got {sorted(options)}")
-    if config:
-        _safe_io.write_atomic(directory / "config.json", config_json(config).encode("utf-8"))
+    start_file_tracker("jsonl", directory, config, options)
     return JsonlTracker(directory / "metrics.jsonl")

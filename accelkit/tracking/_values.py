@@ -11,11 +11,14 @@ import json
 import math
 import numbers
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["check_step", "config_dict", "config_json", "flat_hparams", "json_number", "scalars"]
+from .. import _safe_io
+
+__all__ = ["check_step", "config_dict", "flat_hparams", "json_number", "scalars", "start_file_tracker"]
 
 _RESERVED = "step"  # the step column of the CSV and JSONL files
 
@@ -119,9 +122,16 @@ def flat_hparams(config: Mapping[str, Any]) -> dict[str, bool | int | float | st
     return out
 
 
-def config_json(config: Mapping[str, Any]) -> str:
-    """The config as JSON text (values JSON cannot hold are written as their ``str``)."""
-    return json.dumps(config, indent=2, default=str, allow_nan=True) + "\n"
+def start_file_tracker(name: str, directory: Path, config: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    """Start a tracker that writes plain files: it takes no options; the config goes to ``config.json``.
+
+    Values JSON cannot hold are written as their ``str``.
+    """
+    if options:
+        raise TypeError(f"the {name} tracker takes no init_kwargs, got {sorted(options)}")
+    if config:
+        text = json.dumps(config, indent=2, default=str, allow_nan=True) + "\n"
+        _safe_io.write_atomic(directory / "config.json", text.encode("utf-8"))
 
 
 def json_number(value: float | int) -> float | int | str:
