@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
+# Twenty runs that must all exit cleanly, as four tests of five: each stays well within a per-test
+# timeout, and parallel test runners spread them.
+RUNS_OF_TWENTY = [pytest.param(range(i, i + 5), id=f"runs {i + 1}-{i + 5}") for i in range(0, 20, 5)]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

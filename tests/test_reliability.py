@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 import torch
-from processes import alive, subprocess_env
+from processes import RUNS_OF_TWENTY, alive, subprocess_env
 
 import accelkit as ak
 from accelkit.errors import WorkerFailure
@@ -329,13 +329,14 @@ LAUNCHERS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("runs", RUNS_OF_TWENTY)
 @pytest.mark.parametrize("launcher", ["plain processes", *LAUNCHERS])
-def test_twenty_runs_exit_cleanly(launcher: str, session: list[subprocess.Popen[str]]) -> None:
-    # @ak.distributed: test_runs.py::test_twenty_consecutive_runs_exit_cleanly. Without DDP (whose import
+def test_twenty_runs_exit_cleanly(launcher: str, runs: range, session: list[subprocess.Popen[str]]) -> None:
+    # @ak.distributed: test_runs.py::test_twenty_runs_exit_cleanly. Without DDP (whose import
     # of torch._dynamo doubles the time of a run): test_no_gloo_thread_outlives_the_exit_hooks checks DDP.
     # Plain processes form their own group, which accelkit adopts, and which nothing destroyed before.
     script = str(SCRIPTS / "clean_exit.py")
-    for run in range(20):
+    for run in runs:
         if launcher == "plain processes":
             results = _plain_run(session, [script, "--user-group", "--no-ddp"])
         else:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import subprocess_env
+from processes import RUNS_OF_TWENTY, subprocess_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.distributed
@@ -89,8 +89,9 @@ def test_torchrun_workers_see_world_size_two_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_twenty_consecutive_runs_exit_cleanly() -> None:
-    for attempt in range(20):
+@pytest.mark.parametrize("runs", RUNS_OF_TWENTY)
+def test_twenty_runs_exit_cleanly(runs: range) -> None:
+    for attempt in runs:
         done = subprocess.run(
             [sys.executable, str(SCRIPTS / "two_workers.py")],
             env=subprocess_env(),
