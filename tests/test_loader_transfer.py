@@ -20,6 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 import accelkit as ak
 from accelkit._backends.cpu import CPUBackend
+from accelkit._tree import apply_to_tensors
 from accelkit.testing import WorkerPool
 
 
@@ -31,26 +32,16 @@ class Copying:
 
     def start(self, batch: Any) -> Any:
         self.log.append(("start", first_value(batch)))
-        return _clone(batch)
+        return apply_to_tensors(torch.Tensor.clone, batch)
 
     def finish(self, handle: Any) -> Any:
         self.log.append(("finish", first_value(handle)))
         return handle
 
 
-def _clone(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.clone()
-    if isinstance(batch, dict):
-        return {k: _clone(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_clone(v) for v in batch)
-    return batch
-
-
 def first_value(batch: Any) -> Any:
     value = _plain(batch)
-    while isinstance(value, (list, dict)):
+    while isinstance(value, (list, tuple, dict)):
         value = next(iter(value.values())) if isinstance(value, dict) else value[0]
     return value
 
@@ -99,13 +90,7 @@ def epochs(make: Any, moved: bool, n: int = 2) -> list[list[Any]]:
 
 
 def _plain(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.tolist()
-    if isinstance(batch, dict):
-        return {k: _plain(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return [_plain(v) for v in batch]
-    return batch
+    return apply_to_tensors(torch.Tensor.tolist, batch)
 
 
 @pytest.mark.parametrize("kind", list(loaders()))
