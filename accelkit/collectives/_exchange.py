@@ -57,7 +57,15 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _wait(work: Any) -> None:
-    """Wait for ``work``; every second, look whether the heartbeat found a conflict (then give up)."""
+    """Wait for ``work``; on gloo, look every second whether the heartbeat found a conflict (then give up).
+
+    Only gloo's wait with a timeout returns and may be called again. NCCL's blocks the host until the
+    work is done and, when the timeout passes first, aborts the communicator: there the wait is
+    one plain ``wait()`` and the group's own timeout (its watchdog) bounds it.
+    """
+    if work is not None and dist.get_backend() != "gloo":
+        work.wait()
+        return
     while work is not None:
         try:
             work.wait(_SLICE)
@@ -85,14 +93,17 @@ def all_reduce(x: torch.Tensor, op: str) -> None:
 
 def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order."""
-    try:
-        _wait(_gather_single(out, x, async_op=True))
-        return
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:  # gloo before torch 2.6 lacks the single-tensor form
-        if "_allgather_base" not in str(exc):
-            raise CommunicationError(exc) from exc
+    global _gather_single
+    if _gather_single is not None:
+        try:
+            _wait(_gather_single(out, x, async_op=True))
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # gloo before torch 2.6 lacks the single-tensor form: not tried again
+            if "_allgather_base" not in str(exc):
+                raise CommunicationError(exc) from exc
+            _gather_single = None
     _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
 
 
