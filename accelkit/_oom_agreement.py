@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _env, _state
-from ._group import unpin
+from ._group import destroy
 
 # How a collective fails when a peer went away or never came.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
@@ -152,12 +152,8 @@ def drop_frames(exc: BaseException) -> None:
 
 def break_group() -> weakref.ref[Any] | None:
     """Destroy this process's group; a weak reference to it, alive if something still holds it."""
-    if not dist.is_initialized():
-        return None
-    group = weakref.ref(dist.group.WORLD)
-    unpin(group())
-    dist.destroy_process_group()
-    return group
+    group = destroy()
+    return weakref.ref(group) if group is not None else None
 
 
 def summary(exc: BaseException) -> str:

@@ -46,13 +46,7 @@ def form(
             is_master=launch.rank == 0 and not launch.agent_store,
             timeout=timedelta(seconds=timeout),
         )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        _init(backend, store, prefix, launch.rank, launch.world_size, timeout)
     except Exception as exc:
         raise StateError(
             f"rank {launch.rank} of {launch.world_size} could not join the {backend} process "
@@ -64,23 +58,26 @@ def form(
 
 def reform(st: Any, store: Any, prefix: str) -> None:
     """Destroy this process's default group, if any, and form a new one like it on ``store``, under ``prefix``."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy()
     try:
-        dist.init_process_group(
-            st.backend,
-            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
-            rank=st.rank,
-            world_size=st.world_size,
-            timeout=timedelta(seconds=st.options.timeout),
-        )
+        _init(st.backend, store, prefix, st.rank, st.world_size, st.options.timeout)
     except Exception as exc:
         raise StateError(
             f"rank {st.rank} of {st.world_size} could not re-form the {st.backend} process group "
             f"({prefix!r}) within {st.options.timeout:g} s: {exc}"
         ) from exc
+
+
+def _init(backend: str, store: Any, prefix: str, rank: int, world_size: int, timeout: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
 
 
 def adopt(launch: _env.LaunchEnv) -> _env.LaunchEnv:
