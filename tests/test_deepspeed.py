@@ -231,3 +231,33 @@ def test_zero_bf16_takes_fp32_batches_like_ddp(monkeypatch: pytest.MonkeyPatch) 
     for run in runs:
         assert run["dtypes"] == ["torch.float32"], "outputs leave the forward in fp32, as under DDP"
         assert run["last"] < run["first"]
+
+
+def test_an_optimizer_without_its_model_is_an_error() -> None:
+    ak.init(strategy="deepspeed")
+    model = nn.Linear(2, 1)
+    with pytest.raises(ConfigurationError, match=r"prepare them in the same call, ak.prepare\(model, optimizer"):
+        ak.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def one_trained_engine() -> str:
+    model = make_model()
+    ak.prepare(model, make_optimizer(model)[0])
+    other = make_model()
+    with pytest.raises(ConfigurationError, match="trains one model per job") as info:
+        ak.prepare(other, make_optimizer(other)[0])
+    return str(info.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed: pip install deepspeed")
+def test_a_second_trained_model_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ak.backward(loss) cannot tell which engine a loss belongs to: one engine is trained.
+    from accelkit.testing import run_distributed
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    config = {**DEFAULT_CONFIG, "train_micro_batch_size_per_gpu": 8}
+    (message,) = run_distributed(
+        one_trained_engine, num_processes=1, strategy="deepspeed", deepspeed_config=config, task_timeout=300
+    )
+    assert 'strategy="fsdp"' in message

@@ -173,7 +173,7 @@ class DeepSpeed(SingleProcess):
     def __init__(self, options: Options, device: torch.device, world_size: int) -> None:
         super().__init__(options, device)
         self.world_size = world_size
-        self._engine: weakref.ref[Any] | None = None  # what ak.backward and optimizer.step() drive
+        self._engine: weakref.ref[Any] | None = None  # the trained engine: ak.backward and optimizer.step() drive it
         self._skipped = 0  # the engine's fp16 overflow count at the last step
 
     def setup(
@@ -192,7 +192,17 @@ class DeepSpeed(SingleProcess):
                     f"got {len(given)}; prepare each model with its own optimizer and scheduler"
                 )
         if not models:
-            return [], list(optimizers), list(schedulers)
+            if optimizers or schedulers:
+                raise ConfigurationError(
+                    'strategy="deepspeed" builds a model and its optimizer and scheduler into one engine: '
+                    "prepare them in the same call, ak.prepare(model, optimizer, scheduler)"
+                )
+            return [], [], []
+        if optimizers and self._engine is not None and self._engine() is not None:
+            raise ConfigurationError(
+                'strategy="deepspeed" trains one model per job (ak.backward and optimizer.step() drive its engine), '
+                'and one with an optimizer is prepared already; use strategy="fsdp" to train several'
+            )
         deepspeed = _import_deepspeed()
         optimizer = optimizers[0] if optimizers else None
         scheduler = schedulers[0] if schedulers else None
@@ -206,7 +216,7 @@ class DeepSpeed(SingleProcess):
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             model=models[0], optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
-        if self._engine is None or self._engine() is None:  # two engines: ak.backward drives the first
+        if optimizer is not None:
             self._engine = weakref.ref(engine)
             self._skipped = getattr(engine, "skipped_steps", 0)
         return (
