@@ -134,6 +134,7 @@ def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: 
 
     The new file is written beside it, fsynced, given ``mode`` and renamed over ``path``, and
     the directory is fsynced: a crash leaves the old file or the new one, never a partial file.
+    A function may also write to the new file by its path, ``f.name`` (for libraries that take a path).
 
     Example:
         >>> import tempfile, pathlib
@@ -143,8 +144,9 @@ def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: 
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:  # f.name: the path, for writers that only take one
             if isinstance(data, (bytes, bytearray)):
                 f.write(data)
             else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from torch import nn
 
 from .. import _safe_io, _state
 from . import _sharded
-from ._commit import TMP
 
 __all__ = ["save_model"]
 
@@ -45,23 +43,13 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_seri
     full = _sharded.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
     if not _state.get().is_main_process:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{TMP}{target.name}-{uuid.uuid4().hex[:12]}")
-    try:
-        if safetensors_torch is not None:
-            if full is None:
-                safetensors_torch.save_model(module, str(tmp))
-            else:
-                safetensors_torch.save_file(full, str(tmp))
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        else:
-            state = full if full is not None else {k: v.detach().cpu() for k, v in module.state_dict().items()}
-            _safe_io.write_file(tmp, lambda f: torch.save(state, f))
-        os.replace(tmp, target)
-        _safe_io.fsync_dir(target.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
+    if safetensors_torch is None:
+        state = full if full is not None else {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        _safe_io.write_atomic(target, lambda f: torch.save(state, f))
+    elif full is None:
+        _safe_io.write_atomic(target, lambda f: safetensors_torch.save_model(module, f.name))  # shared weights once
+    else:
+        _safe_io.write_atomic(target, safetensors_torch.save(full))
     return target
 
 
