@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from processes import subprocess_env
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -401,10 +401,9 @@ def test_save_model_from_cuda_loads_in_a_cpu_only_process(tmp_path: Path, torch_
     )
     if torch_format:
         assert path.endswith(".bin")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELKIT_")}
     done = subprocess.run(
         [sys.executable, "-c", LOAD_ON_CPU, path],
-        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        env=subprocess_env(CUDA_VISIBLE_DEVICES=""),
         capture_output=True,
         text=True,
         timeout=120,

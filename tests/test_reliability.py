@@ -203,7 +203,7 @@ def test_a_hang_names_the_missing_rank(
         with pytest.raises(ak.WorkerError) as info:
             workers.run(hang_in, op, task_timeout=60)
         waited = time.monotonic() - started
-    assert waited < 3 + 8, f"the timeout fired after {waited:.1f} s"
+    assert waited < 30, f"the timeout fired after {waited:.1f} s"  # 3 s, not the task's 60 s
     first = info.value.failures[0]
     assert first.rank == 0 and first.exc_type == DOE, info.value
     lines = first.message.splitlines()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import subprocess_env
 
 ROOT = Path(__file__).parent.parent
 needs_wandb = pytest.mark.skipif(
@@ -41,8 +42,8 @@ ak.end_training()
 
 def _run(tmp_path: Path, log_with: str, *args: str, init_kwargs: dict[str, object] | None = None, **env: str) -> str:
     code = SCRIPT.format(log_with=log_with, dir=str(tmp_path), init_kwargs=init_kwargs)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELKIT_", "PYTEST_", "MLFLOW_"))}
-    environ.update(PYTHONPATH=str(ROOT), ACCELKIT_CONFIG_FILE="", WANDB_MODE="offline", WANDB_SILENT="true", **env)
+    environ = {k: v for k, v in subprocess_env().items() if not k.startswith("MLFLOW_")}
+    environ.update(WANDB_MODE="offline", WANDB_SILENT="true", **env)
     done = subprocess.run(
         [sys.executable, "-c", code, *args], env=environ, capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
