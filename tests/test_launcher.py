@@ -6,6 +6,7 @@ import inspect
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,8 +165,6 @@ def test_unknown_option_is_named() -> None:
 @pytest.mark.parametrize(
     ("options", "fragment"),
     [
-        ({"num_nodes": 2}, "needs master_port"),
-        ({"node_rank": 1}, "node_rank=1"),
         ({"master_port": 70000}, "master_port=70000"),
         ({"max_restarts": -1}, "max_restarts=-1"),
         ({"start_method": "thread"}, "start_method='thread'"),
@@ -175,6 +174,20 @@ def test_bad_launch_options(options: dict[str, object], fragment: str) -> None:
     with pytest.raises(ak.ConfigurationError, match=r"expected|needs") as err:
         ak.distributed(**options)  # type: ignore[call-overload]
     assert fragment in str(err.value)
+
+
+def test_node_settings_are_checked_together_with_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ak.ConfigurationError, match=r"accelkit.launch: node_rank=1 with num_nodes=1; expected"):
+        ak.launch(os.getpid, num_processes=1, node_rank=1)
+    with pytest.raises(ak.ConfigurationError, match="num_nodes=2 needs master_port"):
+        ak.launch(os.getpid, num_processes=1, num_nodes=2, node_rank=1)
+    config = tmp_path / "config.yaml"
+    config.write_text("num_nodes: 2\n")  # the code's node_rank=1 is right for it, but no port is set anywhere
+    monkeypatch.setenv("ACCELKIT_CONFIG_FILE", str(config))
+    with pytest.raises(ak.ConfigurationError, match="num_nodes=2 needs master_port"):
+        ak.launch(os.getpid, num_processes=1, node_rank=1)
 
 
 def test_decorating_a_non_function_is_an_error() -> None:

@@ -14,7 +14,7 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from .. import _env, _frames, _state
-from .._options import CODE_LAUNCH_NAMES, LaunchOptions, Options, StartMethod, is_int, validate
+from .._options import CODE_LAUNCH_NAMES, LaunchOptions, LaunchSettings, Options, StartMethod, is_int, validate
 from ..config import resolve
 from ..errors import ConfigurationError
 
@@ -136,6 +136,7 @@ def _call(
     state_options = {k: v for k, v in given.items() if k in Options.names()}
     resolved = resolve(given, call=call)
     settings = resolved.launch
+    _check_settings(settings, call)
     if settings.num_processes is None:
         from .._backends import local_device_count
 
@@ -214,17 +215,22 @@ def _interrupted(exc: BaseException) -> NoReturn:
 
 
 def _check_options(options: dict[str, Any], call: str) -> dict[str, Any]:
-    """The options, validated (names, values, and the launch settings together); Nones dropped."""
-    checked = validate(options, call, (*CODE_LAUNCH_NAMES, *Options.names()))
-    nodes, node_rank = checked.get("num_nodes", 1), checked.get("node_rank", 0)
-    if node_rank >= nodes:  # type: ignore[operator]
-        raise ConfigurationError(f"{call}(node_rank={node_rank!r}): expected 0 <= node_rank < num_nodes={nodes}")
-    if nodes > 1 and checked.get("master_port") is None:  # type: ignore[operator]
+    """The options, validated (names and values); Nones dropped."""
+    return validate(options, call, (*CODE_LAUNCH_NAMES, *Options.names()))
+
+
+def _check_settings(settings: LaunchSettings, call: str) -> None:
+    """The launch settings together, after code, ``ACCELKIT_*`` and the config file were merged."""
+    nodes, node_rank = settings.num_nodes, settings.node_rank
+    if node_rank >= nodes:
         raise ConfigurationError(
-            f"{call}(num_nodes={nodes}) needs master_port: every node must meet at "
+            f"{call}: node_rank={node_rank} with num_nodes={nodes}; expected 0 <= node_rank < num_nodes"
+        )
+    if nodes > 1 and settings.master_port is None:
+        raise ConfigurationError(
+            f"{call}: num_nodes={nodes} needs master_port: every node must meet at "
             f"the same master_addr:master_port, e.g. master_port=29500"
         )
-    return checked
 
 
 def _default_start_method() -> StartMethod:
