@@ -27,7 +27,6 @@ class Resolved:
     options: Options
     launch: LaunchSettings
     sources: Mapping[str, Source]
-    config: ConfigFile | None
 
     def given(self, *sources: Source) -> dict[str, object]:
         """The state options that came from ``sources`` (e.g. ``"config"``), by name."""
@@ -78,7 +77,6 @@ def resolve(
         replace(Options(), **cast("dict[str, Any]", state)),
         replace(LaunchSettings(), **cast("dict[str, Any]", launch)),
         sources,
-        file,
     )
 
 

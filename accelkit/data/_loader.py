@@ -86,8 +86,6 @@ class PreparedDataLoader(DataLoader[Any]):
         [[0, 1, 2, 3], [4, 5]]
     """
 
-    _accelkit_prepared = True
-
     def __init__(self, dataset: Any, plan: LoaderPlan, base_seed: int, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
         self._plan = plan

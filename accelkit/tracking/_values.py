@@ -49,20 +49,15 @@ def _flatten(values: Mapping[Any, Any], prefix: str, out: dict[str, float | int]
         kind = type(value)
         if kind is float or kind is int:  # the common case first: ABC checks cost a few µs per call
             out[name] = value
-        elif kind is torch.Tensor and value.numel() == 1 and not value.is_complex():
+        elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             number = value.item()  # a device sync on a GPU: only the main process gets here
             out[name] = int(number) if isinstance(number, (bool, int)) else float(number)
         elif kind is dict or isinstance(value, Mapping):
             _flatten(value, name + "/", out, call)
-        elif isinstance(value, bool):
-            out[name] = int(value)
-        elif isinstance(value, numbers.Integral):
+        elif isinstance(value, numbers.Integral):  # bool too
             out[name] = int(value)
         elif isinstance(value, numbers.Real):
             out[name] = float(value)
-        elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-            number = value.item()  # a device sync on a GPU: only the main process gets here
-            out[name] = int(number) if isinstance(number, (bool, int)) else float(number)
         elif isinstance(value, torch.Tensor):
             raise TypeError(
                 f"{call}: {name!r} is a tensor of shape {tuple(value.shape)} ({value.dtype}); log one real "
