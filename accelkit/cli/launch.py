@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 from dataclasses import replace
 
@@ -186,6 +185,7 @@ def _run_agent(plan: LaunchPlan) -> int:
 
     from ..errors import WorkerError
     from ..launcher._agent import run_workers
+    from ..launcher._failures import report_stop
     from ..launcher._spec import Command
 
     debug = bool(plan.options.get("debug"))
@@ -213,12 +213,6 @@ def _run_agent(plan: LaunchPlan) -> int:
     except TimeoutError as exc:  # the nodes did not meet
         print(f"accelkit: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("accelkit: interrupted; every worker was stopped", file=sys.stderr)
-        return 130
-    except SignalException as exc:  # the agent stopped every worker before raising it
-        signum = int(exc.sigval)
-        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        print(f"accelkit: {what}; every worker was stopped", file=sys.stderr)
-        return 128 + signum  # as a shell reports a process ended by that signal: 130, 143
+    except (KeyboardInterrupt, SignalException) as exc:  # the agent stopped every worker before raising it
+        return report_stop(exc)
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -204,10 +203,9 @@ def _missing_main_guard(fn: Any) -> NoReturn:
 
 def _interrupted(exc: BaseException) -> NoReturn:
     """Interrupted (Ctrl-C, SIGTERM): end like ``accelkit launch`` does, not with the agent's traceback."""
-    signum = int(getattr(exc, "sigval", signal.SIGINT))
-    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-    print(f"accelkit: {what}; every worker was stopped", file=sys.stderr)  # as `accelkit launch` says it
-    code = 128 + signum
+    from ._failures import report_stop
+
+    code = report_stop(exc)  # as `accelkit launch` says it
     main = sys.modules.get("__main__")
     if not getattr(main, "__file__", None):  # a notebook or a REPL: the interrupt reaches the cell
         raise KeyboardInterrupt from None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 from .. import _env, _frames, _safe_io
 from ..errors import ConfigurationError, WorkerError, WorkerFailure
 
-__all__ = ["collect_failures", "exception_name", "lost_peer", "record_failure"]
+__all__ = ["collect_failures", "exception_name", "lost_peer", "record_failure", "report_stop"]
 
 
 def record_failure(run_dir: str, exc: BaseException, text: str | None = None) -> None:
@@ -108,3 +110,14 @@ def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerErro
             )
         )
     return WorkerError(failures)
+
+
+def report_stop(exc: BaseException) -> int:
+    """Say that the job was stopped (Ctrl-C, or the agent's SignalException); the exit code a shell would give.
+
+    130 for SIGINT, 143 for SIGTERM: 128 + the signal, as for a process ended by it.
+    """
+    signum = int(getattr(exc, "sigval", signal.SIGINT))
+    what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"accelkit: {what}; every worker was stopped", file=sys.stderr)
+    return 128 + signum
