@@ -44,6 +44,7 @@ class Heartbeat(threading.Thread):
         self._stopped = threading.Event()
         self._last: tuple[Any, ...] = ()
         self._reported = 0  # "still waiting" lines printed for the current wait
+        self._next_read = 0.0  # seconds into the current wait when the positions are read next
 
     def start(self) -> None:
         self.beat()  # the rank's key exists before anyone can read it
@@ -78,14 +79,20 @@ class Heartbeat(threading.Thread):
             publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, now, signature, text))
             self._last = state
             self._reported = 0
-        if not inside or mono - entered < 2 * self.period:
+            self._next_read = 2 * self.period
+        waited = mono - entered
+        line_due = self.interval > 0 and waited >= self.interval * (self._reported + 1)
+        if not inside or (waited < self._next_read and not line_due):
             return
+        # Every waiting rank reads every rank's position: the longer the wait, the rarer the reads
+        # (after 2, 4, 8, ... s), so that a long wait for one rank (a checkpoint) spares the store.
+        self._next_read = 2 * waited
         positions = read_positions(self.store, self.prefix, self.world)
         if not g.alarm:
             g.alarm = find_conflict(self.rank, seq, signature, positions)
-        if self.interval > 0 and mono - entered >= self.interval * (self._reported + 1):
+        if line_due:
             self._reported += 1
-            self._say_waiting(op, seq, mono - entered, positions)
+            self._say_waiting(op, seq, waited, positions)
 
     def _say_waiting(self, op: str, seq: int, waited: float, positions: dict[int, Position]) -> None:
         missing = describe_missing(self.rank, op, seq, positions, list(range(self.world)))
