@@ -21,6 +21,7 @@ from accelkit.cli import build_parser, main
 from accelkit.cli._mpirun import hostfile_hosts, mpirun_command
 from accelkit.cli._plan import LaunchPlan, plan_launch
 from accelkit.config import config_in_effect
+from accelkit.launcher._rendezvous import free_port
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -296,7 +297,7 @@ def test_a_module_runs_as_main_with_its_arguments_and_a_share_of_the_cores(tmp_p
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     common = ["--num-nodes", "2", "--main-process-ip", "127.0.0.1", "--main-process-port", port, "-n", "2", "--cpu"]
     nodes = [_start(tmp_path, *common, "--node-rank", str(k), PROBE) for k in (1, 0)]
     results = [_finish(node) for node in nodes]
@@ -313,7 +314,7 @@ def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     # More processes than cores, for the launch warning: none starts, the rendezvous fails first.
     crowd = str(len(os.sched_getaffinity(0)) + 1)
     started = time.monotonic()
@@ -331,7 +332,7 @@ def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path) -> 
 @pytest.mark.distributed
 def test_one_node_listens_on_loopback_only_and_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     address = _non_loopback_address()
-    port = _free_port()
+    port = free_port()
     proc = _start(tmp_path, "-n", "2", "--cpu", "--main-process-port", str(port), PROBE, "sleep")
     try:
         deadline = time.monotonic() + 120
@@ -379,12 +380,6 @@ def test_mpirun_names_the_failing_rank(tmp_path: Path) -> None:
     code, _, err = _launch(tmp_path, "--mpirun", "-n", "2", "--cpu", PROBE, "fail=1")
     assert code != 0
     assert "accelkit: rank 1 failed: ValueError: bad batch on rank 1" in err
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _non_loopback_address() -> str | None:

@@ -42,6 +42,7 @@ from processes import RUNS_OF_TWENTY, alive, subprocess_env
 import accelkit as ak
 from accelkit.errors import WorkerFailure
 from accelkit.launcher._failures import collect_failures, record_failure
+from accelkit.launcher._rendezvous import free_port
 from accelkit.testing import WorkerPool, run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -302,7 +303,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def _plain_run(session: list[subprocess.Popen[str]], argv: list[str]) -> list[tuple[int, str, str]]:
     """Two plain processes with torchrun's variables; each one's (exit code, stdout, stderr)."""
-    common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": _port(), "ACCELKIT_CPU": "1"}
+    common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "ACCELKIT_CPU": "1"}
     procs = [_start(session, argv, RANK=str(rank), LOCAL_RANK=str(rank), **common) for rank in range(2)]
     outputs = [proc.communicate(timeout=120) for proc in procs]
     return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs, strict=True)]
@@ -314,12 +315,6 @@ def test_no_gloo_thread_outlives_the_exit_hooks(group: str, session: list[subpro
     for _code, out, err in _plain_run(session, ["-c", THREADS_AT_TEARDOWN, *script]):
         assert "gloo threads at teardown: []" in out, (out, err[-2000:])
         assert "terminate called" not in err
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 LAUNCHERS = {
@@ -341,7 +336,7 @@ def test_twenty_runs_exit_cleanly(launcher: str, runs: range, session: list[subp
             results = _plain_run(session, [script, "--user-group", "--no-ddp"])
         else:
             done = subprocess.run(
-                [sys.executable, *LAUNCHERS[launcher](_port()), script, "--no-ddp"],
+                [sys.executable, *LAUNCHERS[launcher](str(free_port())), script, "--no-ddp"],
                 env=subprocess_env(),
                 cwd=ROOT,
                 capture_output=True,
@@ -428,7 +423,7 @@ OLDER_ACCELKIT = "import accelkit._version as v; v.__version__ = '0.0.1'; " + PR
 def test_ranks_that_differ_refuse_to_start(
     code: str, env: dict[str, str], expected: str, session: list[subprocess.Popen[str]]
 ) -> None:
-    port = _port()
+    port = str(free_port())
     common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ACCELKIT_CPU": "1"}
     started = time.monotonic()
     ranks = [
@@ -573,7 +568,7 @@ def test_a_bad_launch_stops_before_anything_starts(tmp_path: Path, session: list
         "port in use": (["--main-process-port", port, probe], [f"master_port={port}: cannot listen there"]),
         "missing node": (
             ["--num-nodes", "2", "--node-rank", "0", "--main-process-ip", "127.0.0.1", "--main-process-port",
-             _port(), "--rdzv-timeout", "3", probe],
+             str(free_port()), "--rdzv-timeout", "3", probe],
             ["node rank(s) 1 of 2 did not join the rendezvous", "within 3 s"],
         ),
     }  # fmt: skip

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +10,10 @@ from pathlib import Path
 import pytest
 from processes import RUNS_OF_TWENTY, subprocess_env
 
+from accelkit.launcher._rendezvous import free_port
+
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_ranks(env_for_rank: list[dict[str, str]]) -> list[dict[str, object]]:
@@ -68,7 +63,7 @@ LAUNCHERS = {
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_any_launchers_world_makes_real_ranks_on_cpu(launcher: str) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     ranks = _run_ranks([{**LAUNCHERS[launcher](r, 2), "MASTER_PORT": port} for r in range(2)])
     assert [(o["rank"], o["world_size"], o["local_rank"]) for o in ranks] == [(0, 2, 0), (1, 2, 1)]
     assert {o["launcher"] for o in ranks} == {launcher}
@@ -77,7 +72,7 @@ def test_any_launchers_world_makes_real_ranks_on_cpu(launcher: str) -> None:
 
 def test_torchrun_workers_see_world_size_two_on_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), str(SCRIPTS / "report_state.py")]  # fmt: skip
+           "--master-port", str(free_port()), str(SCRIPTS / "report_state.py")]  # fmt: skip
     done = subprocess.run(
         cmd, env=subprocess_env(REPORT_DIR=str(tmp_path)), capture_output=True, text=True, timeout=180
     )
