@@ -4,7 +4,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPUBackend", "is_set"]
+from .. import _tree
+
+__all__ = ["CPUBackend", "ToDevice", "is_set"]
 
 
 class CPUBackend:
@@ -26,11 +28,25 @@ class CPUBackend:
     def empty_cache(self) -> None:
         pass
 
-    def batch_transfer(self, device: torch.device) -> None:
-        return None  # batches are made on the CPU: no copy at all
+    def batch_transfer(self, device: torch.device) -> ToDevice | None:
+        # Batches are made on the CPU: no copy at all. (Another device here is a state built by hand.)
+        return None if device.type == "cpu" else ToDevice(device)
 
     def read_later(self, flag: torch.Tensor) -> bool:
         return is_set(flag)  # host memory: reading it never waits for a device
+
+
+class ToDevice:
+    """Plain copies of each batch's tensors to ``device``, made when the batch is read (no streams)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self, batch: Any) -> Any:
+        return _tree.apply_to_tensors(lambda t: t.to(self.device), batch)
+
+    def finish(self, handle: Any) -> Any:
+        return handle
 
 
 def is_set(flag: torch.Tensor) -> bool:
