@@ -48,6 +48,7 @@ class Options:
     gradient_accumulation_steps: int = 1
     sync_each_batch: bool = False  # under ak.accumulate, synchronise gradients on every micro-step too
     debug: bool = False
+    check_collectives: bool = True  # every collective's call compared across ranks (False: the backend call only)
     cpu: bool = False
     backend: DistBackend | None = None
     timeout: float = DEFAULT_TIMEOUT
@@ -101,6 +102,7 @@ class StateOptions(TypedDict, total=False):
     gradient_accumulation_steps: int | None
     sync_each_batch: bool | None
     debug: bool | None
+    check_collectives: bool | None
     cpu: bool | None
     backend: DistBackend | None
     timeout: float | timedelta | None
@@ -198,7 +200,8 @@ def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, object]:
 
 # --- the rules ----------------------------------------------------------------------------------
 
-_FLAGS = ("sync_each_batch", "debug", "cpu", "fsdp_reshard_after_forward", "fsdp_cpu_offload", "mpirun")
+_FLAGS = ("sync_each_batch", "debug", "check_collectives", "cpu", "fsdp_reshard_after_forward", "fsdp_cpu_offload",
+          "mpirun")  # fmt: skip
 # name -> (smallest value, largest value or None, how to fix a bad one)
 _INTEGERS: dict[str, tuple[int, int | None, str]] = {
     "gradient_accumulation_steps": (1, None, "use 1 to step the optimizer on every batch"),

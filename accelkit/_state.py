@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -105,6 +105,27 @@ class TrainingState:
     models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
 
+class Now(NamedTuple):
+    """Where this rank is, as the heartbeat reads it: an immutable snapshot, replaced whole.
+
+    ``op`` / ``seq``: the current or last collective; ``inside``: waiting in it now; ``since``:
+    ``time.monotonic()`` when it entered (inside) or left it; ``thread``: the thread that called it;
+    ``fingerprint`` and ``text``: the call, while inside (what two ranks in the same call share, and
+    the call as the tables show it).
+    """
+
+    op: str
+    seq: int
+    inside: bool
+    since: float
+    thread: int
+    fingerprint: int
+    text: str
+
+
+NOWHERE = Now("", 0, False, 0.0, 0, 0, "")
+
+
 @dataclass
 class GroupState:
     """What belongs to the process group accelkit formed, and goes with it.
@@ -119,29 +140,23 @@ class GroupState:
     prefix: str = "accelkit"
     agreements: int = 0
     previous_agreement: str = ""
-    # Collectives (see collectives/_wire.py). Every rank updates these alike, from what all ranks sent.
+    # Collectives (see collectives/_checked.py). Every rank updates these alike, from what all ranks sent.
     seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
-    chain: int = 0  # a running digest of the headers of every collective so far
-    slot_sizes: dict[int, int] = field(default_factory=dict)  # learned first-message sizes, by the previous call
-    plans: dict[int, Any] = field(default_factory=dict)  # learned all-reduces (collectives/_plan), likewise
-    last_key: int = 0  # the previous two-way collective's key into slot_sizes
-    buffers: dict[str, Any] = field(default_factory=dict)  # reusable slot buffers, by role (see collectives/_wire)
+    key: int = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
+    plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
+    pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
     alarm: str = ""  # set by the heartbeat: the ranks wait in different calls (a table); the wait gives up
     abandoned: bool = False  # a backend call was left waiting: destroying the group would wait for it (see _at_exit)
-    # Where this rank is, read by the heartbeat thread; the collectives only write these.
-    op: str = ""  # the current or last collective
-    entered: float = 0.0  # time.monotonic() when the current collective began; 0.0 between collectives
-    finished: float = 0.0  # time.monotonic() when the last one ended
-    thread: int = 0  # the thread that called it
-    call: Any = None  # the current collective (its signature() and describe()), for the heartbeat
+    # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
+    now: Now = field(default_factory=lambda: NOWHERE)
     store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
     board: str = ""  # the key prefix of positions and reports in that store (see _group)
     heartbeat: Any = None  # the heartbeat thread (see _group)
 
     def restart_collectives(self) -> None:
         """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
-        self.seq, self.chain, self.last_key, self.slot_sizes, self.plans, self.buffers = 0, 0, 0, {}, {}, {}
+        self.seq, self.key, self.plans, self.pending = 0, 0, {}, None
 
 
 @dataclass

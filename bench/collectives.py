@@ -14,6 +14,11 @@ would write it by hand: gather = ``all_gather_into_tensor`` into a new tensor; r
 pairs on torch's in-process fake process group (collectives that do nothing), in a child
 process; their ``diff`` is the µs accelkit spends around each torch.distributed call.
 
+``world N`` rows sweep the world size (2, 4 and 8 processes on this machine: more processes
+than cores, so the absolute times grow; the ratio is what compares): µs per call against raw,
+and the bytes each rank sends per call (``bytes/call`` rows: what the process wrote to its
+sockets, from ``/proc/self/io``) against raw.
+
 Run ``python bench/collectives.py [--quick]`` or through ``bench/run.py``.
 """
 
@@ -154,6 +159,68 @@ def _added_cpu(quick: bool) -> list[tuple[str, list[float], list[float]]]:
         dist.destroy_process_group()
 
 
+SWEEP_WORLDS = (2, 4, 8)
+SWEEP_SIZES = {"1e3": 1_000, "1e6": 1_000_000}
+
+
+def _written() -> int:
+    """Bytes this process has written through system calls so far (its sockets' traffic, here)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration):
+        return -1
+
+
+def _sweep_measure(quick: bool) -> list[tuple[str, list[float], list[float], float, float]]:
+    """In each worker of a world: (name, accelkit µs, raw µs per block, accelkit bytes/call, raw bytes/call)."""
+    import accelkit as ak
+
+    ours = {"gather": ak.gather, "reduce": ak.reduce, "broadcast": ak.broadcast}
+    results = []
+    for op in ("gather", "reduce", "broadcast"):
+        for label, n in SWEEP_SIZES.items():
+            x = torch.randn(n)
+            mine, ref = _bind(ours[op], x), _bind(RAW[op], x)
+            for fn in (mine, ref, mine, ref):  # warm-up: the first call at a point of the program is checked first
+                fn()
+            calls = 1 if n >= 1_000_000 else 5
+            sent = []
+            for fn in (mine, ref):
+                dist.barrier()
+                before = _written()
+                for _ in range(calls):
+                    fn()
+                sent.append((_written() - before) / calls)
+            samples: dict[int, list[float]] = {0: [], 1: []}
+            for r in range(3 if quick else (8 if n >= 1_000_000 else 40)):
+                for which in (0, 1) if r % 2 == 0 else (1, 0):
+                    fn = mine if which == 0 else ref
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    samples[which].append((time.perf_counter() - start) / calls * 1e6)
+            results.append((f"{op} {label} floats", samples[0], samples[1], sent[0], sent[1]))
+    return results
+
+
+def sweep(quick: bool) -> list[Row]:
+    """The world-size sweep's rows: time against raw, and bytes sent per rank per call against raw."""
+    from accelkit.testing import WorkerPool
+
+    rows = []
+    for world in SWEEP_WORLDS:
+        with WorkerPool(world, task_timeout=1800.0, debug=False) as pool:
+            per_rank = pool.run(_sweep_measure, quick)
+        for i, (name, ours, ref, _, _) in enumerate(per_rank[0]):  # rank 0's clock; every rank's bytes
+            rows.append(paired_row(f"world {world}: {name}", ours, ref, unit="us"))
+            mine = statistics.mean(rank[i][3] for rank in per_rank)
+            raw = statistics.mean(rank[i][4] for rank in per_rank)
+            rows.append(paired_row(f"world {world}: {name}, bytes/call per rank", [mine], [raw], unit="B"))
+    return rows
+
+
 def run(quick: bool) -> list[Row]:
     from accelkit.testing import WorkerPool
 
@@ -163,6 +230,7 @@ def run(quick: bool) -> list[Row]:
     for name, ours, ref in per_rank[0]:  # rank 0's clock
         target = (TARGET_RATIO - 1) * statistics.median(ref)
         rows.append(paired_row(f"{name} (2 gloo procs)", ours, ref, target=target, unit="us"))
+    rows += sweep(quick)
     args = [sys.executable, __file__, "--added-cpu"] + (["--quick"] if quick else [])
     _, out = run_child(args, child_env(ACCELKIT_CPU="1"), timeout=600)
     for name, ours, ref in json.loads(out.strip().splitlines()[-1]):
@@ -174,7 +242,7 @@ def main(argv: list[str]) -> None:
     if "--added-cpu" in argv:
         print(json.dumps(_added_cpu("--quick" in argv)))
         return
-    rows = run("--quick" in argv)
+    rows = sweep("--quick" in argv) if "--sweep" in argv else run("--quick" in argv)
     print(f"{'case':52} {'accelkit':>10} {'raw':>10} {'diff':>9} {'ratio':>7}")
     for row in rows:
         flag = "" if row["ok"] is None else "  ok" if row["ratio"] <= TARGET_RATIO else "  OVER"

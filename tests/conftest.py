@@ -94,6 +94,15 @@ def pool() -> Iterator[WorkerPool]:
     _pools.remove(workers)
 
 
+@pytest.fixture(scope="module")
+def pool4() -> Iterator[WorkerPool]:
+    """Four gloo CPU workers, for the tests of one module."""
+    with WorkerPool(4, task_timeout=300) as workers:
+        _pools.append(workers)
+        yield workers
+    _pools.remove(workers)
+
+
 @pytest.fixture(scope="session")
 def debug_pool() -> Iterator[WorkerPool]:
     """Like ``pool``, with accelkit's debug mode on in the workers."""

@@ -282,9 +282,11 @@ MISMATCHES = {
     "structure": ["Cannot apply accelkit.gather: the inputs differ across processes.",
                   "  - Process 0: {'a': float32 [2]}", "  - Process 1: {'b': float32 [2]}"],
     "reduce op": ["Cannot apply accelkit.reduce: the processes passed different arguments.",
-                  "  - Process 0: op='sum' float32 [2]", "  - Process 1: op='max' float32 [2]"],
+                  "  - Process 0: accelkit.reduce(op='sum') float32 [2]",
+                  "  - Process 1: accelkit.reduce(op='max') float32 [2]"],
     "broadcast_object src": ["Cannot apply accelkit.broadcast_object: the processes passed different arguments.",
-                             "  - Process 0: src=0", "  - Process 1: src=1"],
+                             "  - Process 0: accelkit.broadcast_object(src=0)",
+                             "  - Process 1: accelkit.broadcast_object(src=1)"],
 }  # fmt: skip
 
 

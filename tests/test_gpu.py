@@ -227,6 +227,58 @@ def test_ten_steps_with_a_prepared_loader_make_no_host_device_sync(precision: st
     assert math.isfinite(loss)
 
 
+# --- checked collectives make no host-device sync of their own -----------------------------------
+
+
+def _syncs(fn: Any) -> int:
+    """How many synchronising CUDA calls ``fn`` makes (torch warns once per call in "warn" mode)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def collective_syncs() -> dict[str, list[int]]:
+    """Per collective, in steady state: accelkit's syncs and raw torch.distributed's for the same job."""
+    import torch.distributed as dist
+
+    x = torch.arange(1000.0, device=ak.device()) + ak.rank()
+
+    def raw_reduce() -> None:
+        dist.all_reduce(x.clone())
+
+    def raw_gather() -> None:
+        dist.all_gather_into_tensor(x.new_empty(2 * x.numel()), x)
+
+    def raw_broadcast() -> None:
+        dist.broadcast(x.clone() if ak.rank() == 0 else torch.empty_like(x), 0)
+
+    cases = {"reduce": (lambda: ak.reduce(x), raw_reduce), "gather": (lambda: ak.gather(x), raw_gather),
+             "broadcast": (lambda: ak.broadcast(x), raw_broadcast)}  # fmt: skip
+    counts = {}
+    for name, (ours, raw) in cases.items():
+        for _ in range(3):  # the first call at a point of the program is checked before its data moves
+            ours()
+            raw()
+        counts[name] = [_syncs(ours), _syncs(raw)]
+    ak.wait_for_everyone()  # reads the last verdict
+    return counts
+
+
+@pytest.mark.distributed
+def test_checked_collectives_add_no_host_device_sync_in_steady_state() -> None:
+    for counts in run_distributed(collective_syncs, device="cuda", task_timeout=TIMEOUT):
+        for name, (ours, raw) in counts.items():
+            assert ours <= raw, f"{name}: {ours} syncs, raw torch.distributed {raw}"
+
+
 # --- collectives, DDP and gather_for_metrics with CUDA tensors: 2 ranks on one GPU ---------------
 
 

@@ -41,6 +41,7 @@ def job_facts(options: Any, world_size: int) -> dict[str, str]:
         "strategy": options.strategy,
         "gradient_accumulation_steps": str(options.gradient_accumulation_steps),
         "debug": str(options.debug),
+        "check_collectives": str(options.check_collectives),
         "world_size": str(world_size),
     }
 

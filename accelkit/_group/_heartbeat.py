@@ -1,8 +1,9 @@
 """A daemon thread per rank: it publishes where the rank is, and says whom a long wait is for.
 
-The collectives themselves only write a few fields of ``_state.group`` (operation, number, entry
-time): nothing on their hot path touches the store. Every ``period`` seconds this thread reads
-those fields and, when they changed, publishes them with the user's line the rank is running
+The collectives themselves only replace ``_state.group.now``, an immutable snapshot (operation,
+number, entry time, the call's fingerprint and text): nothing on their hot path touches the store,
+and this thread never reads a live call or tensor. Every ``period`` seconds it reads the snapshot
+and, when it changed, publishes it with the user's line the rank is running
 now. While the rank has been waiting in one collective for ``interval`` seconds (30 by default,
 ``ACCELKIT_WAIT_LOG_INTERVAL``; 0 turns it off), it prints one line every ``interval`` seconds
 naming the ranks that have not arrived and where they are.
@@ -31,8 +32,8 @@ def wait_log_interval() -> float:
 class Heartbeat(threading.Thread):
     """Publishes this rank's position through ``store`` until :meth:`stop`.
 
-    ``group`` is the state's ``GroupState`` (read, never written: ``op``, ``seq``, ``entered``,
-    ``finished``, ``thread``); ``store`` a client with a short timeout, used by this thread only.
+    ``group`` is the state's ``GroupState`` (its ``now`` snapshot is read; only ``alarm`` is written);
+    ``store`` a client with a short timeout, used by this thread only.
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, world: int, group: Any, interval: float) -> None:
@@ -66,21 +67,20 @@ class Heartbeat(threading.Thread):
     def beat(self) -> None:
         """Publish the position if it changed; look for a conflict, or say whom a long wait is for."""
         g = self.group
-        op, seq, entered, finished, current = g.op, g.seq, g.entered, g.finished, g.call
-        inside = entered > 0
-        call = current if inside else None  # the collective's Call: signature() and describe()
-        signature = call.signature() if call is not None else ""
-        where = self._where(g.thread or threading.main_thread().ident or 0)
+        now = g.now  # an immutable snapshot the collectives replace whole: read once
+        op, seq, inside = now.op, now.seq, now.inside
+        signature = f"{now.fingerprint:016x}" if inside else ""
+        where = self._where(now.thread or threading.main_thread().ident or 0)
         state = (op, seq, inside, where, signature)
-        now, mono = time.time(), time.monotonic()
+        wall, mono = time.time(), time.monotonic()
         if state != self._last:
-            since = now - (mono - (entered if inside else finished or mono))
-            text = call.describe() if call is not None else ""
-            publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, now, signature, text))
+            since = wall - (mono - now.since) if now.since else wall
+            publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, wall, signature,
+                                                      now.text if inside else ""))  # fmt: skip
             self._last = state
             self._reported = 0
             self._next_read = 2 * self.period
-        waited = mono - entered
+        waited = mono - now.since
         line_due = self.interval > 0 and waited >= self.interval * (self._reported + 1)
         if not inside or (waited < self._next_read and not line_due):
             return

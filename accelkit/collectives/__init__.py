@@ -1,6 +1,16 @@
 """Collectives over trees of tensors: gather, reduce, broadcast, pad, and Python objects."""
 
-from ._api import REDUCE_OPS, ReduceOp, broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
+from ._api import (
+    REDUCE_OPS,
+    ReduceOp,
+    broadcast,
+    broadcast_object,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    settle,
+)
 
 __all__ = ["REDUCE_OPS", "ReduceOp", "broadcast", "broadcast_object", "gather", "gather_object",
-           "pad_across_processes", "reduce"]  # fmt: skip
+           "pad_across_processes", "reduce", "settle"]  # fmt: skip

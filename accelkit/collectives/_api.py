@@ -8,20 +8,18 @@ in the same order. In debug mode the ranks first compare their calls (see ``_deb
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import pickle
-import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, Literal, NoReturn, TypeVar, get_args
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
-from .. import _group, _state, _tree
+from .. import _state, _tree
+from .._options import suggest
 from .._state import ProcessState
-from ..errors import DistributedOperationError
-from . import _checked, _debug, _exchange
+from . import _checked, _debug, _exchange, _signature
+from ._scope import collective as _collective
+from ._scope import communication as _communication
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min", "product"]
@@ -46,12 +44,11 @@ def gather(data: T) -> T:
         {'loss': tensor(0.5000)}
     """
     st = _state.get()
-    leaves, spec = _inputs(st, "gather", {}, data)
-    if not st.distributed:
+    call = _tensors(st, "gather", {}, data)
+    if call is None:
         return data
-    with _collective(st, "gather"):
-        out = _checked.gather(st, leaves, spec)
-    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    out = _run(st, call, _checked.Gather(), _exchange.gather, call.data, st.world_size)
+    return _tree.unflatten(call.spec, out)  # type: ignore[arg-type, no-any-return]
 
 
 def reduce(data: T, op: ReduceOp = "sum") -> T:
@@ -69,12 +66,11 @@ def reduce(data: T, op: ReduceOp = "sum") -> T:
         tensor([1., 3.])
     """
     st = _state.get()
-    leaves, spec = _inputs(st, "reduce", {"op": op}, data, _reduce_check(op))
-    if not st.distributed:
+    call = _tensors(st, "reduce", {"op": op}, data, _reduce_check(op))
+    if call is None:
         return data
-    with _collective(st, "reduce"):
-        out = _checked.reduce(st, leaves, spec, op)
-    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    out = _run(st, call, _checked.Reduce(op), _exchange.reduce, call.data, op, st.world_size)
+    return _tree.unflatten(call.spec, out)  # type: ignore[arg-type, no-any-return]
 
 
 def broadcast(data: T, src: int = 0) -> T:
@@ -89,12 +85,11 @@ def broadcast(data: T, src: int = 0) -> T:
         tensor([0, 1, 2])
     """
     st = _state.get()
-    leaves, spec = _inputs(st, "broadcast", {"src": src}, data, lambda _, __: _check_src("broadcast", src, st))
-    if not st.distributed:
+    call = _tensors(st, "broadcast", {"src": src}, data, lambda _, __: _check_src("broadcast", src, st))
+    if call is None:
         return data
-    with _collective(st, "broadcast"):
-        out = _checked.broadcast(st, leaves, spec, src)
-    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    out = _run(st, call, _checked.Broadcast(src), _exchange.broadcast, call.data, src, st.rank)
+    return _tree.unflatten(call.spec, out)  # type: ignore[arg-type, no-any-return]
 
 
 def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first: bool = False) -> T:
@@ -112,18 +107,21 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
         tensor([1., 1.])
     """
     st = _state.get()
-    leaves, spec = _inputs(st, "pad_across_processes", {"dim": dim}, data, _pad_check(dim, pad_index, pad_first), dim)
-    if not st.distributed:
+    check = _pad_check(dim, pad_index, pad_first)
+    call = _tensors(st, "pad_across_processes", {"dim": dim}, data, check, dim)
+    if call is None:
         return data
+    leaves = call.data
     padded = [i for i, x in enumerate(leaves) if -x.dim() <= dim < x.dim()]
     dims = [dim % leaves[i].dim() for i in padded]
-    lengths = [leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)]
-    with _collective(st, "pad_across_processes"):
-        sizes = _checked.max_sizes(st, leaves, spec, dim, lengths)
-    out = [x.clone() for x in leaves]
+    lengths = torch.tensor([leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)], dtype=torch.int64)
+    call.shapes, call.data = [(x.dtype, x.shape) for x in leaves], [lengths.to(st.device)]
+    everyone = _run(st, call, _checked.Gather(), _exchange.gather, call.data, st.world_size)[0]
+    sizes = everyone.view(st.world_size, -1).amax(0).tolist() if padded else []
+    out = [_exchange.own(x) for x in leaves]
     for i, x in zip(padded, _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first), strict=True):
         out[i] = x
-    return _tree.unflatten(spec, out)  # type: ignore[no-any-return]
+    return _tree.unflatten(call.spec, out)  # type: ignore[arg-type, no-any-return]
 
 
 def gather_object(obj: Any) -> list[Any]:
@@ -140,9 +138,10 @@ def gather_object(obj: Any) -> list[Any]:
     st = _state.get()
     if not st.distributed:
         return [obj]
-    payload = _objects(st, "gather_object", {}, lambda: _dumps("gather_object", obj))
-    with _collective(st, "gather_object"):
-        blobs = _checked.gather_object(st, payload)
+    payload, call = _object(st, "gather_object", {}, lambda: _dumps("gather_object", obj))
+    lengths = _run(st, call, _checked.Gather(), _exchange.gather, call.data, st.world_size)[0].tolist()
+    with _communication(st, "gather_object"):
+        blobs = _exchange.gather_padded(payload, max(lengths), lengths, st.device, st.world_size)
     return [_exchange.loads(b) for b in blobs]
 
 
@@ -163,23 +162,62 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         _check_src("broadcast_object", src, st)
         return _dumps("broadcast_object", obj) if st.distributed and st.rank == src else b""
 
-    payload = _objects(st, "broadcast_object", {"src": src}, prepare, src)
     if not st.distributed:
+        prepare()
         return obj
-    with _collective(st, "broadcast_object"):
-        blob = _checked.broadcast_object(st, payload, src)
+    payload, call = _object(st, "broadcast_object", {"src": src}, prepare)
+    length = int(_run(st, call, _checked.Broadcast(src), _exchange.broadcast, call.data, src, st.rank)[0])
+    with _communication(st, "broadcast_object"):
+        blob = _exchange.broadcast_bytes(payload, length, src, st.rank, st.device)
     return _exchange.loads(blob)  # type: ignore[no-any-return]
 
 
-def _inputs(
+def barrier(st: ProcessState) -> None:
+    """``wait_for_everyone``'s exchange: every rank checks that the others are in the same call."""
+    if st.options.debug:
+        compare_calls(st, "wait_for_everyone", {})
+    call = _checked.Call(_signature.signature("wait_for_everyone", {}), 0, [], {})
+    if not st.options.check_collectives:
+        with _collective(st, call):
+            _exchange.barrier()
+        return
+    settle(st)
+    with _collective(st, call):
+        _checked.barrier(st, call)
+
+
+def settle(st: ProcessState) -> None:
+    """Raise now what the last collective's deferred check found (an accelerator's verdict), if anything."""
+    if _state.group.pending is not None:
+        with _communication(st, "the last collective"):
+            _checked.settle(st)
+
+
+def any_rank(st: ProcessState, op: str, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (``check_breakpoint``), checked like every collective."""
+    if st.options.debug:
+        compare_calls(st, op, {})
+    data = [torch.tensor([int(flag)], dtype=torch.int32, device=st.device)]
+    call = _checked.Call(_signature.signature(op, {}), 0, data, {})
+    return bool(_run(st, call, _checked.Reduce("max"), _exchange.reduce, data, "max", st.world_size)[0].item())
+
+
+def compare_calls(st: ProcessState, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    """Debug mode: check with the other ranks that they make this same call (see ``_debug``)."""
+    with _communication(st, op):
+        _debug.check(st, op, params, *args, **kwargs)
+
+
+def _tensors(
     st: ProcessState,
     op: str,
     params: dict[str, Any],
     data: Any,
     check: Check | None = None,
     free_dim: int | None = None,
-) -> tuple[list[torch.Tensor], _tree.TreeSpec]:
-    """Flatten and validate ``data``; in debug mode, compare with the other ranks first."""
+) -> _checked.Call | None:
+    """This rank's call: ``data`` flattened and validated (in debug mode, compared with the other ranks'
+    first); None with one process. An invalid input raises, after taking part so that no rank waits."""
     try:
         leaves, spec = _tree.flatten(data, f"accelkit.{op}")
         if check is not None:
@@ -187,22 +225,27 @@ def _inputs(
     except (TypeError, ValueError) as exc:
         _refuse(st, op, params, exc)
         raise
-    if st.distributed and st.options.debug:
-        compare_calls(st, op, params, leaves, spec, free_dim)
-    return leaves, spec
+    if not st.distributed:
+        return None
+    if st.options.debug:
+        compare_calls(st, op, params, [(x.dtype, x.shape) for x in leaves], spec, free_dim)
+    return _checked.Call(_signature.signature(op, params, leaves, spec, free_dim), 0, leaves, params, spec,
+                         free_dim=free_dim)  # fmt: skip
 
 
-def _objects(
-    st: ProcessState, op: str, params: dict[str, Any], prepare: Callable[[], bytes], src: int | None = None
-) -> bytes:
+def _object(
+    st: ProcessState, op: str, params: dict[str, Any], prepare: Callable[[], bytes]
+) -> tuple[bytes, _checked.Call]:
+    """This rank's pickled object, and its call: the payload's length travels first, checked."""
     try:
         payload = prepare()
     except (TypeError, ValueError) as exc:
         _refuse(st, op, params, exc)
         raise
-    if st.distributed and st.options.debug:
+    if st.options.debug:
         compare_calls(st, op, params)
-    return payload
+    data = [torch.tensor([len(payload)], dtype=torch.int64, device=st.device)]
+    return payload, _checked.Call(_signature.signature(op, params), 0, data, params)
 
 
 def _refuse(st: ProcessState, op: str, params: dict[str, Any], problem: BaseException) -> None:
@@ -215,30 +258,21 @@ def _refuse(st: ProcessState, op: str, params: dict[str, Any], problem: BaseExce
     src = params.get("src")
     if src is not None and not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < st.world_size):
         return  # no rank can send from there: every rank raises the same error by itself
-    with _collective(st, op):
-        _checked.refuse(st, op, params, problem, src)
+    if not st.options.check_collectives:
+        return  # nothing tells the others: they wait (the price of unchecked collectives)
+    call = _checked.Call(_signature.signature(op, params, problem=problem), 0, [], params, problem=problem)
+    mover: _checked.Mover = _checked.Broadcast(src) if src is not None else _checked.Gather()
+    _run(st, call, mover, None)
 
 
-def barrier(st: ProcessState) -> None:
-    """``wait_for_everyone``'s exchange: every rank checks that the others are in the same call."""
-    if st.options.debug:
-        compare_calls(st, "wait_for_everyone", {})
-    with _collective(st, "wait_for_everyone"):
-        _checked.barrier(st)
-
-
-def any_rank(st: ProcessState, op: str, flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (``check_breakpoint``), checked like every collective."""
-    if st.options.debug:
-        compare_calls(st, op, {})
-    with _collective(st, op):
-        return _checked.either(st, op, flag)
-
-
-def compare_calls(st: ProcessState, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-    """Debug mode: check with the other ranks that they make this same call (see ``_debug``)."""
-    with _communication(st, op):
-        _debug.check(st, op, params, *args, **kwargs)
+def _run(st: ProcessState, call: _checked.Call, mover: _checked.Mover, unchecked: Any, *args: Any) -> Any:
+    """``call`` through the checked path (or the backend alone, with ``check_collectives=False``)."""
+    if not st.options.check_collectives:
+        with _collective(st, call):
+            return unchecked(*args)
+    settle(st)
+    with _collective(st, call):
+        return _checked.run(st, call, mover)
 
 
 def _reduce_check(op: str) -> Check:
@@ -246,7 +280,7 @@ def _reduce_check(op: str) -> Check:
         if op not in REDUCE_OPS:
             raise ValueError(
                 f"accelkit.reduce(op={op!r}): expected one of {', '.join(map(repr, REDUCE_OPS))}"
-                + _suggest(op, REDUCE_OPS)
+                + suggest(op, REDUCE_OPS)
             )
         for i, x in enumerate(leaves):
             if op == "mean" and not (x.is_floating_point() or x.is_complex()):
@@ -294,75 +328,3 @@ def _dumps(op: str, obj: Any) -> bytes:
             f"accelkit.{op} cannot send {type(obj).__name__} {obj!r:.80}: it cannot be pickled ({exc}). "
             f"Send plain data (numbers, strings, lists, dicts, tensors) instead."
         ) from exc
-
-
-@contextlib.contextmanager
-def _communication(st: ProcessState, op: str) -> Iterator[None]:
-    """Turn a backend failure in the body into an error naming ``op``."""
-    try:
-        yield
-    except _exchange.CommunicationError as exc:
-        _failed(op, st, exc)
-
-
-class _collective:
-    """One collective: counted, its start and end noted for the heartbeat, a backend failure named."""
-
-    __slots__ = ("group", "op", "st")
-
-    def __init__(self, st: ProcessState, op: str) -> None:
-        self.st, self.op, self.group = st, op, _state.group
-
-    def __enter__(self) -> None:
-        group = self.group
-        group.seq += 1
-        group.op, group.thread, group.entered = self.op, threading.get_ident(), time.monotonic()
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        group = self.group
-        group.entered, group.finished, group.call = 0.0, time.monotonic(), None
-        if isinstance(exc, _exchange.CommunicationError):
-            _failed(self.op, self.st, exc, group.seq)
-        if isinstance(exc, _exchange.Conflict):
-            # The backend call cannot end (the others wait in another one): the group is unusable.
-            group.closed = f"the processes called different collectives as #{group.seq}"
-            group.abandoned = True
-            _group.abandon()
-            raise DistributedOperationError(str(exc)) from None
-
-
-def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError, seq: int | None = None) -> NoReturn:
-    """Name the operation in a backend failure (a timeout, a lost peer), and the ranks it waited for."""
-    exc = error.cause
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    name = f"accelkit.{op}" + (f" #{seq}" if seq is not None else "")
-    lines = [f"{name} failed on process {st.rank} of {st.world_size}: {first}", *_whereabouts(st, op, seq)]
-    raise DistributedOperationError(
-        "\n".join(lines) + "\n"
-        f"Collectives wait at most {st.options.timeout:g} s (the `timeout` option of ak.init / "
-        f"@ak.distributed, or ACCELKIT_TIMEOUT). A timeout or a lost peer usually means that another "
-        f"process failed first, is stuck, or called the collectives in another order. Run with debug=True "
-        f"(or ACCELKIT_DEBUG=1) to compare every collective's inputs across processes as they are called."
-    ) from exc
-
-
-def _whereabouts(st: ProcessState, op: str, seq: int | None) -> list[str]:
-    """What the other ranks posted to the store: why one closed the group, and where each one is."""
-    group = _state.group
-    if group.store is None or seq is None:
-        return []
-    try:
-        reports = _group.read_reports(group.store, group.board)
-        if reports:
-            return [f"process {rank} stopped the group first:\n{text}" for rank, text in reports]
-        if group.heartbeat is not None:  # a fresh position from every rank that is still alive
-            time.sleep(group.heartbeat.period)
-        positions = _group.read_positions(group.store, group.board, st.world_size)
-        return _group.describe_missing(st.rank, op, seq, positions, list(range(st.world_size))).splitlines()
-    except Exception:  # the store went with the rank that hosted it
-        return []
-
-
-def _suggest(value: str, valid: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(value, valid, n=1) if isinstance(value, str) else []
-    return f"; did you mean {close[0]!r}?" if close else ""

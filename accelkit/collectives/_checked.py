@@ -1,124 +1,283 @@
-"""Each collective, checked: its first message through :mod:`._wire`, then its data.
+"""Each collective, checked: the data through torch's own collective for the job, the call's token with it.
 
-When every rank's data came in its slot, the result is computed from the slots (a reduction too:
-the ranks add the gathered rows, in rank order); otherwise the data moves in a second message,
-through :mod:`._exchange`, now that the ranks are known to agree on its size.
+Every rank moves the same message sizes whatever its input (see :mod:`._plan`), and learns from
+the tokens whether every rank made the same call:
+
+- first call at a point of the program: the check alone (a small all-reduce), then the data;
+- later calls there: the planned message, with the token in it (small) or beside it (large);
+- a planned message that every rank's call missed alike (a smaller last batch): the data again,
+  now that the ranks are known to agree, and a new plan;
+- any disagreement: every rank that can tell raises debug mode's table (:mod:`._mismatch`).
+
+A broadcast's receivers judge the source's token; the source, which hears from nobody, learns of a
+disagreement at its next collective. On an accelerator the verdict of a planned call is read at the
+rank's next collective instead of now (see :class:`._check.Deferred`): the host never waits for it.
 """
 
 from __future__ import annotations
 
-import struct
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import _state, _tree
 from .._state import ProcessState
-from . import _bytes, _exchange, _plan, _wire
-from ._header import HEADER, Arrival, Call
+from . import _check, _exchange, _mismatch, _plan
+from ._signature import AGREE, HEADER, Signature, token
 
-__all__ = ["barrier", "broadcast", "broadcast_object", "either", "gather", "gather_object", "max_sizes", "reduce",
-           "refuse"]  # fmt: skip
-
-
-def exchange(st: ProcessState, call: Call) -> Arrival:
-    """A two-way collective's first message: the planned all-reduce first, when this point of the program has one."""
-    plan = _state.group.plans.get(_state.group.last_key)
-    if plan is not None:
-        _plan.run(st, call, plan)  # another call than planned, the same on every rank (or it raised)
-    return _wire.exchange(st, call)
+__all__ = ["Broadcast", "Call", "Gather", "Reduce", "barrier", "run", "settle"]
 
 
-def gather(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec) -> list[torch.Tensor]:
-    parts, length = _bytes.parts(leaves)
-    arrival = exchange(st, Call("gather", {}, leaves, spec, payload=parts, length=length))
-    if arrival.fits:
-        return _bytes.gather_rows(arrival.buffer, arrival.stride, HEADER, leaves)
-    return _exchange.gather(leaves, st.world_size)
+class Call:
+    """This rank's side of one collective: what it is, the tensors it moves, what the tables show."""
+
+    __slots__ = ("data", "free_dim", "op", "params", "problem", "seq", "shapes", "sig", "spec", "token")
+
+    def __init__(
+        self,
+        sig: Signature,
+        seq: int,
+        data: list[torch.Tensor],
+        params: dict[str, Any],
+        spec: _tree.TreeSpec | None = None,
+        shapes: list[tuple[torch.dtype, torch.Size]] | None = None,
+        free_dim: int | None = None,
+        problem: BaseException | None = None,
+    ) -> None:
+        self.sig, self.seq, self.token, self.data = sig, seq, token(sig, seq), data
+        self.op, self.params, self.spec, self.free_dim, self.problem = sig.op, params, spec, free_dim, problem
+        self.shapes = shapes  # the user's leaves as (dtype, shape), for the tables; None: ``data``'s
+
+    def leaf_shapes(self) -> list[tuple[torch.dtype, torch.Size]]:
+        return self.shapes if self.shapes is not None else [(x.dtype, x.shape) for x in self.data]
 
 
-def reduce(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec, op: str) -> list[torch.Tensor]:
+class Reduce:
+    def __init__(self, op: str) -> None:
+        self.op, self.wire = op, "sum" if op == "mean" else op
+        self.key: tuple[str, Any] = ("reduce", op)
+
+    def data(self, st: ProcessState, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _exchange.reduce(leaves, self.op, st.world_size)
+
+    def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
+        """One all-reduce per dtype; the token's bits after the first dtype's data."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, x in enumerate(leaves):
+            groups.setdefault(_exchange.WIDER.get(x.dtype, x.dtype), []).append(i)
+        out: list[torch.Tensor] = [leaves[0]] * len(leaves)
+        verdict: Any = None
+        for dtype, members in groups.items():
+            values = [_exchange.flat(leaves[i]).to(dtype) for i in members]
+            sizes = [v.numel() for v in values]
+            if verdict is None:  # the first dtype carries the token
+                logic = _check.logic(dtype, self.wire)
+                message = torch.cat([*values, *_check.bits(call.token, dtype, st.device, logic)])
+                _exchange.all_reduce(message, self.wire)
+                bits = message[sum(sizes) :]
+                if st.backend == "fake" and not logic:  # torch's fake group reduces nothing
+                    bits = bits * st.world_size
+                verdict = _verdict_of_bits(st, bits, logic)
+            else:
+                message = torch.cat(values)
+                _exchange.all_reduce(message, self.wire)
+            whole = len(members) == 1 and message.numel() == sizes[0]
+            parts = [message] if whole else [part.clone() for part in torch.split(message[: sum(sizes)], sizes)]
+            for i, part in zip(members, parts, strict=True):
+                out[i] = _exchange.reduced(part, self.op, st.world_size, leaves[i])
+        return out, verdict
+
+
+class Gather:
+    key: tuple[str, Any] = ("gather", None)
+
+    def data(self, st: ProcessState, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _exchange.gather(leaves, st.world_size)
+
+    def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
+        """One all-gather of every leaf's bytes and the header, per rank."""
+        world = st.world_size
+        parts = [_exchange.as_bytes(x) for x in leaves]
+        header = _check.header_tensor(call.sig.header(call.seq), st.device)
+        message = torch.cat([*parts, header])
+        gathered = message.new_empty(world * message.numel())
+        if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
+            gathered.view(world, -1).copy_(message)
+        _exchange.all_gather(gathered, message, world)
+        rows = gathered.view(world, -1)
+        at = sum(p.numel() for p in parts)
+        tails = rows[:, at : at + HEADER]
+        if st.device.type == "cpu":
+            verdict: Any = _check.headers_agree(tails, header)
+        else:
+            verdict = _check.headers_agree_on_device(tails, header)
+        out, offset = [], 0
+        for x, part in zip(leaves, parts, strict=True):
+            n = part.numel()
+            out.append(_exchange.from_bytes(rows[:, offset : offset + n].contiguous().view(-1), x, world))
+            offset += n
+        return out, verdict
+
+
+class Broadcast:
+    def __init__(self, src: int) -> None:
+        self.src = src
+        self.key: tuple[str, Any] = ("broadcast", src)
+        self.theirs = b""  # a receiver's copy of the source's header (on the CPU)
+        self.tail_seen: torch.Tensor | None = None  # on an accelerator: the source's header, still on the device
+
+    def data(self, st: ProcessState, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _exchange.broadcast(leaves, self.src, st.rank)
+
+    def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
+        """One broadcast of the source's bytes and header; a receiver compares the header with its own."""
+        header = call.sig.header(call.seq)
+        if st.rank == self.src:
+            parts = [_exchange.as_bytes(x) for x in leaves]
+            message = torch.cat([*parts, _check.header_tensor(header, st.device)])
+            _exchange.broadcast_tensor(message, self.src)
+            return [_exchange.own(x) for x in leaves], True
+        sizes = [x.numel() * x.element_size() for x in leaves]
+        message = torch.empty(sum(sizes) + HEADER, dtype=torch.uint8, device=st.device)
+        _exchange.broadcast_tensor(message, self.src)
+        at = sum(sizes)
+        out, offset = [], 0
+        for x, n in zip(leaves, sizes, strict=True):
+            out.append(_exchange.from_bytes(message[offset : offset + n].clone(), x))
+            offset += n
+        tail = message[at : at + HEADER]
+        if st.device.type != "cpu":
+            self.tail_seen = tail.clone()
+            return out, _check.headers_agree_on_device(tail.view(1, -1), _check.header_tensor(header, st.device))
+        self.theirs = bytes(tail.tolist())
+        return out, self.theirs[:AGREE] == header[:AGREE]
+
+    def source_missed(self, st: ProcessState, plan: _plan.Plan, fits: bool) -> bool:
+        """Whether the source's call was another than the plan's (then every rank knows it: a receiver from
+        the source's header, where it has it on the host)."""
+        if st.rank == self.src:
+            return not fits
+        if not self.theirs and self.tail_seen is not None and not fits:
+            self.theirs = bytes(self.tail_seen.tolist())  # this rank waits for the verdict anyway
+        return bool(self.theirs) and int.from_bytes(self.theirs[16:24], "little") != plan.fingerprint
+
+
+Mover = Reduce | Gather | Broadcast
+
+
+def planned(key: tuple[str, Any]) -> Mover:
+    """The mover a plan names (a rank whose call differs from the plan still moves the planned message)."""
+    kind, arg = key
+    return Reduce(arg) if kind == "reduce" else Broadcast(arg) if kind == "broadcast" else Gather()
+
+
+def run(st: ProcessState, call: Call, mover: Mover) -> list[torch.Tensor] | None:
+    """``call``'s results; None when this rank's input was invalid (the caller raises its own error).
+
+    Every rank must call it. Raises :class:`DistributedOperationError` on every rank that can tell
+    when the ranks' calls differ.
+    """
     group = _state.group
-    key, plan = group.last_key, group.plans.get(group.last_key)
-    parts, length = _bytes.parts(leaves)
-    call = Call("reduce", {"op": op}, leaves, spec, payload=parts, length=length)
-    if plan is not None:
-        planned = _plan.run(st, call, plan)
-        if planned is not None:
-            return planned
-    arrival = _wire.exchange(st, call)
-    _plan.learn(group, key, leaves, op, st.world_size)  # every rank checked this call: plan the next one here
-    if arrival.fits:
-        return _bytes.reduce_rows(arrival.buffer, arrival.stride, HEADER, leaves, op)
-    return _exchange.reduce(leaves, op, st.world_size)
-
-
-def broadcast(st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec, src: int) -> list[torch.Tensor]:
-    parts, length = _bytes.parts(leaves)
-    arrival = _wire.broadcast(st, Call("broadcast", {"src": src}, leaves, spec, payload=parts, length=length), src)
-    if not arrival.fits:
-        return _exchange.broadcast(leaves, src, st.rank)
-    # The source's results are views of the slot it sent (its copy of the input); a receiver's inbox is reused.
-    return _bytes.unpack(arrival.buffer[HEADER : HEADER + length], leaves, copy=st.rank != src)
-
-
-def max_sizes(
-    st: ProcessState, leaves: list[torch.Tensor], spec: _tree.TreeSpec, dim: int, lengths: list[int]
-) -> list[int]:
-    """``pad_across_processes``: the largest length of each leaf along ``dim`` over the ranks."""
-    payload = struct.pack(f"<{len(lengths)}q", *lengths)
-    call = Call("pad_across_processes", {"dim": dim}, leaves, spec, free_dim=dim, payload=payload)
-    arrival = exchange(st, call)
-    if not arrival.fits:
-        return _exchange.max_sizes(lengths, st.device, st.world_size)
-    if not lengths:
-        return []
-    values = arrival.rows[:, HEADER : HEADER + len(payload)].view(torch.int64)
-    return [int(n) for n in values.amax(0).tolist()]
-
-
-def gather_object(st: ProcessState, payload: bytes) -> list[bytes]:
-    arrival = exchange(st, Call("gather_object", {}, payload=payload))
-    if arrival.fits:
-        return _row_bytes(arrival.rows, arrival.lengths)
-    return _exchange.gather_padded(payload, max(arrival.lengths), arrival.lengths, st.device, st.world_size)
-
-
-def broadcast_object(st: ProcessState, payload: bytes, src: int) -> bytes:
-    arrival = _wire.broadcast(st, Call("broadcast_object", {"src": src}, payload=payload), src)
-    if st.rank == src:
-        if not arrival.fits:
-            _exchange.broadcast_tensor(_exchange.to_tensor(payload, st.device), src)
-        return payload
-    if arrival.fits:
-        return _row_bytes(arrival.rows, arrival.lengths)[0]
-    rest = torch.empty(arrival.lengths[0], dtype=torch.uint8, device=st.device)
-    _exchange.broadcast_tensor(rest, src)
-    return _bytes.read(rest, rest.numel(), 1, rest.numel())[0]
-
-
-def barrier(st: ProcessState) -> None:
-    """``wait_for_everyone``: every rank's header, nothing else."""
-    exchange(st, Call("wait_for_everyone", {}))
-
-
-def either(st: ProcessState, op: str, flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (``check_breakpoint``)."""
-    arrival = exchange(st, Call(op, {}, payload=bytes([flag])))
-    return any(row[0] for row in _row_bytes(arrival.rows, arrival.lengths))
-
-
-def refuse(st: ProcessState, op: str, params: dict[str, object], problem: BaseException, src: int | None) -> None:
-    """Take part in ``op`` with an invalid input, so that the others raise instead of waiting; the caller raises."""
-    call = Call(op, dict(params), problem=problem)
-    if src is None:
-        exchange(st, call)
+    key = group.key
+    plan = group.plans.get(key)
+    if plan is None:  # the first call here: the check, then the data
+        if not _checked_now(st, call):
+            return _disagree(st, call, None)
+        return _agreed(st, call, mover, key)
+    fits = plan.fingerprint == call.sig.fingerprint and call.problem is None
+    # A rank whose call differs from the plan moves the planned message all the same, with zeros in it.
+    moving = mover if fits else planned(plan.mover)
+    data = call.data if fits else plan.dummies(st.device)
+    if plan.tail:
+        out, verdict = moving.tail(st, data, call)
+        if isinstance(moving, Broadcast) and moving.source_missed(st, plan, fits):
+            # Every rank knows that the source made another call than planned: compare the calls both ways.
+            return _agreed(st, call, mover, key) if _checked_now(st, call) else _disagree(st, call, None)
     else:
-        _wire.broadcast(st, call, src)
+        work, check = _start_check(st, call)
+        out = moving.data(st, data)
+        verdict = _end_check(st, work, check)
+    if fits and isinstance(verdict, torch.Tensor) and st.device.type == "cuda":  # read at the next collective
+        seen = moving.tail_seen if isinstance(moving, Broadcast) else None
+        group.pending = _check.Deferred.start(verdict, call, seen, getattr(moving, "src", -1))
+        group.key = call.sig.fingerprint
+        return out
+    if _agree(verdict):
+        if fits:
+            group.key = call.sig.fingerprint
+            return out
+        return _agreed(st, call, mover, key)  # every rank made this same call, another than planned
+    if isinstance(moving, Broadcast) and moving.tail_seen is not None:
+        moving.theirs = bytes(moving.tail_seen.tolist())
+    return _disagree(st, call, moving if plan.tail else None)
 
 
-def _row_bytes(rows: torch.Tensor, lengths: list[int]) -> list[bytes]:
-    count, stride = rows.shape
-    return [
-        row[HEADER : HEADER + n]
-        for row, n in zip(_bytes.read(rows, stride, count, HEADER + max(lengths)), lengths, strict=True)
-    ]
+def barrier(st: ProcessState, call: Call) -> None:
+    """``wait_for_everyone``: the check alone."""
+    if not _checked_now(st, call):
+        _disagree(st, call, None)
+    _state.group.key = 0 if call.problem is not None else call.sig.fingerprint
+
+
+def settle(st: ProcessState) -> None:
+    """Read the verdict of the last call, if it was left on its way from the device; raise if the ranks differed."""
+    group = _state.group
+    pending, group.pending = group.pending, None
+    if pending is None or pending.agreed():
+        return
+    if pending.seen is not None:  # a broadcast's receiver: the source's header tells what it sent
+        _state.group.key = 0
+        _mismatch.refuse_broadcast(st, pending.call, pending.src, bytes(pending.seen.tolist()))
+        return
+    _disagree(st, pending.call, None)
+
+
+def _agreed(st: ProcessState, call: Call, mover: Mover, key: int) -> list[torch.Tensor] | None:
+    """Every rank made ``call``: move its data, and plan the next call at ``key`` like it."""
+    group = _state.group
+    if call.problem is not None:  # every rank's input was invalid: each raises its own error
+        group.key = 0
+        return None
+    out = mover.data(st, call.data)
+    _plan.learn(group.plans, key, call.sig.fingerprint, mover.key, call.data, st.world_size)
+    group.key = call.sig.fingerprint
+    return out
+
+
+def _checked_now(st: ProcessState, call: Call) -> bool:
+    work, check = _start_check(st, call)
+    return _agree(_end_check(st, work, check))
+
+
+def _start_check(st: ProcessState, call: Call) -> tuple[Any, torch.Tensor]:
+    check = _check.check_tensor(call.token, st.device)
+    return _exchange.start(dist.all_reduce, check, dist.ReduceOp.SUM), check
+
+
+def _end_check(st: ProcessState, work: Any, check: torch.Tensor) -> Any:
+    _exchange.wait(work)
+    if st.backend == "fake":  # torch's fake group reduces nothing: as if every rank sent this
+        check = check * st.world_size
+    return _verdict_of_bits(st, check, False)
+
+
+def _verdict_of_bits(st: ProcessState, bits: torch.Tensor, logic: bool) -> Any:
+    if st.device.type != "cpu":
+        return _check.bits_agree_on_device(bits, st.world_size, logic)
+    return _check.bits_agree(bits.tolist(), st.world_size, logic)
+
+
+def _agree(verdict: Any) -> bool:
+    return bool(verdict.item()) if isinstance(verdict, torch.Tensor) else bool(verdict)
+
+
+def _disagree(st: ProcessState, call: Call, mover: Mover | None) -> list[torch.Tensor] | None:
+    """The ranks' calls differ: every rank that can tell raises the table (an invalid input's rank: returns,
+    and the caller raises its own error)."""
+    _state.group.key = 0
+    if isinstance(mover, Broadcast) and st.rank != mover.src:  # a one-way broadcast's receiver: only it can tell
+        _mismatch.refuse_broadcast(st, call, mover.src, mover.theirs)
+    else:
+        _mismatch.disagree(st, call)
+    return None

@@ -11,6 +11,7 @@ of hanging, aborting in the backend, or silently mixing up bytes.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,18 +36,21 @@ def check(
     st: ProcessState,
     op: str,
     params: dict[str, Any],
-    leaves: list[torch.Tensor] | None = None,
+    shapes: Sequence[tuple[torch.dtype, Sequence[int]]] | None = None,
     spec: _tree.TreeSpec | None = None,
     free_dim: int | None = None,
     problem: BaseException | None = None,
+    seq: int = 0,
 ) -> None:
     """Exchange this rank's description of the call; raise if the ranks disagree.
 
-    Every rank must call it. With ``problem`` (this rank's input was invalid) it
-    returns after the exchange so that the caller raises its own error, while the
-    other ranks raise a :class:`DistributedOperationError` that quotes it.
+    ``shapes``: the input's leaves as (dtype, shape). Every rank must call it. With ``problem``
+    (this rank's input was invalid) it returns after the exchange so that the caller raises its
+    own error, while the other ranks raise a :class:`DistributedOperationError` that quotes it.
+    ``seq`` (the call's number, when the caller knows it) tells ranks that are out of step.
     """
-    mine = _describe(op, params, leaves, spec, free_dim, problem)
+    mine = _describe(op, params, shapes, spec, free_dim, problem)
+    mine["seq"] = seq
     blobs = _exchange.gather_bytes(pickle.dumps(mine), st.device, st.world_size)
     everyone: list[dict[str, Any]] = [_exchange.loads(b) for b in blobs]
     if problem is not None:
@@ -59,32 +63,33 @@ def check(
 def _describe(
     op: str,
     params: dict[str, Any],
-    leaves: list[torch.Tensor] | None,
+    shapes: Sequence[tuple[torch.dtype, Sequence[int]]] | None,
     spec: _tree.TreeSpec | None,
     free_dim: int | None,
     problem: BaseException | None,
 ) -> dict[str, Any]:
     args = ", ".join(f"{k}={v!r}" for k, v in params.items())
-    if problem is not None or leaves is None or spec is None:
+    if problem is not None or shapes is None or spec is None:
         error = f"{type(problem).__name__}: {problem}" if problem is not None else None
         return {"op": op, "args": args, "structure": None, "key": (), "text": "", "error": error}
-    texts = [leaf_text(x) for x in leaves]
+    texts = [leaf_text(dtype, size) for dtype, size in shapes]
     key = []
-    for x in leaves:
-        shape: list[int | None] = list(x.shape)
-        if free_dim is not None and -x.dim() <= free_dim < x.dim():
-            shape[free_dim % x.dim()] = None  # free to differ across processes
+    for dtype, size in shapes:
+        shape: list[int | None] = list(size)
+        ndim = len(shape)
+        if free_dim is not None and -ndim <= free_dim < ndim:
+            shape[free_dim % ndim] = None  # free to differ across processes
         elif free_dim is not None:
             shape = [None]  # no such dim: the leaf comes back as it is, whatever its shape
-        key.append((str(x.dtype), tuple(shape)))
-    structure = _tree.describe(spec, ["*"] * len(leaves))
+        key.append((str(dtype), tuple(shape)))
+    structure = _tree.describe(spec, ["*"] * len(shapes))
     return {"op": op, "args": args, "structure": structure, "key": tuple(key), "text": _tree.describe(spec, texts),
             "leaf_texts": texts, "error": None}  # fmt: skip
 
 
-def leaf_text(x: torch.Tensor) -> str:
+def leaf_text(dtype: torch.dtype, shape: Sequence[int]) -> str:
     """A tensor as the tables show it: ``float32 [2, 3]``."""
-    return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
 
 
 def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None) -> str:
@@ -106,7 +111,7 @@ def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | Non
     if len({d["args"] for d in everyone}) > 1:
         return _table(
             f"{head}: the processes passed different arguments.",
-            [f"{d['args']} {d['text']}" for d in everyone],
+            [f"accelkit.{d['op']}({d['args']}) {d['text']}".rstrip() for d in everyone],
             "every process must pass the same arguments",
         )
     if len({(d["structure"], d["key"]) for d in everyone}) > 1:
@@ -115,6 +120,15 @@ def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | Non
             [d["text"] for d in everyone],
             _RULES.get(op, "every process must pass the same structure, dtypes and shapes") + _args(everyone[0]),
             _first_difference(everyone, spec),
+        )
+    seqs = {d.get("seq", 0) for d in everyone}
+    if len(seqs) > 1:
+        return _table(
+            f"{head}: the processes are out of step: they make the same call, as different collectives of "
+            f"their program.",
+            [f"accelkit.{d['op']}({d['args']}) {d['text']} as call #{d.get('seq', 0)}".rstrip() for d in everyone],
+            "every process must call the same collectives in the same order (a collective that only some "
+            "processes called puts them out of step)",
         )
     return ""
 

@@ -1,20 +1,16 @@
-"""The torch.distributed calls behind the collectives: few calls, any dtype, new tensors.
+"""The torch.distributed calls behind the collectives: any dtype, results that own their storage.
 
-- Data movement (gather, broadcast) of several leaves goes through one byte buffer: the
-  leaves are viewed as bytes (any dtype moves, even those the backend cannot reduce)
-  and packed largest element size first, so that every leaf's offset stays aligned and
-  unpacking is a view (broadcast) or one copy (gather).
-- Reductions pack one buffer per (device, dtype) and reduce dtypes the backends lack
-  (int16, unsigned ints, float8) in a wider dtype.
-- Python objects travel pickled in uint8 tensors (numpy is not needed): a fixed-size
-  first message carries the length and, for small objects, the bytes themselves.
+- One backend call per leaf, as raw torch.distributed code would make: gather and broadcast
+  move dtypes the backend lacks as bytes; reductions use a wider dtype for those it cannot
+  reduce (int16, unsigned ints, float8), and a mean is a sum divided (gloo cannot average).
+- Every result is a new tensor with compact storage of its own; inputs are never written.
+- Python objects travel pickled in uint8 tensors (numpy is not needed).
+- A backend failure becomes :class:`CommunicationError`, which the collective names.
 """
 
 from __future__ import annotations
 
-import itertools
 import pickle
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,9 +18,12 @@ import torch
 import torch.distributed as dist
 
 from .. import _state
-from ._bytes import WIDER, flat, layout
 
 _BYTE = torch.uint8
+_COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
+# Dtypes that gloo and nccl cannot reduce, and the dtype they are reduced in (torch lacks some ops too).
+WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
+         torch.uint64: torch.int64} | {d: torch.float32 for d in (torch.float8_e4m3fn, torch.float8_e5m2)}  # fmt: skip
 # Dtypes every backend moves natively; others move as bytes.
 _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}  # fmt: skip
@@ -77,11 +76,6 @@ def _wait(work: Any) -> None:
             raise Conflict(_state.group.alarm)
 
 
-def accepts_short_messages(backend: str) -> bool:
-    """Whether ``backend`` lets a receiver post a buffer longer than the message (gloo: yes; nccl: no)."""
-    return backend == "gloo"
-
-
 def broadcast_tensor(x: torch.Tensor, src: int) -> None:
     _call(dist.broadcast, x, src)
 
@@ -107,87 +101,90 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
 
 
-def _data(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaves without autograd history: results are new tensors, and the backends refuse (gloo's
-    all-gather) or silently mis-record (in-place reductions) tensors that require grad."""
-    return [x.detach() if x.requires_grad else x for x in leaves]
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values as a contiguous 1-d tensor (a view when it already is one), without autograd history."""
+    # detach: the backends refuse tensors that require grad; contiguous: reshape keeps a broadcast
+    # (stride 0) view as it is, which cannot be viewed as bytes.
+    return (x.resolve_conj() if x.dtype in _COMPLEX else x).resolve_neg().detach().contiguous().view(-1)
+
+
+def own(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` that owns its storage, without autograd history."""
+    return (
+        (x.resolve_conj() if x.dtype in _COMPLEX else x)
+        .resolve_neg()
+        .detach()
+        .clone(memory_format=torch.contiguous_format)
+    )
+
+
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values as a 1-d uint8 tensor (a view when ``x`` is contiguous)."""
+    return flat(x).view(_BYTE) if x.numel() else torch.empty(0, dtype=_BYTE, device=x.device)
+
+
+def from_bytes(data: torch.Tensor, like: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """A tensor shaped like ``like`` (``rows`` of them, concatenated along dim 0) from compact uint8 ``data``."""
+    shape = tuple(like.shape) if not rows else (rows * like.shape[0], *like.shape[1:]) if like.dim() else (rows,)
+    if not like.numel():
+        return like.new_empty(shape)
+    return data.view(like.dtype).view(shape)
 
 
 def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-    leaves = _data(leaves)
-    if len(leaves) == 1 and leaves[0].dtype in _NATIVE:
-        x = leaves[0]
-        x = x.reshape(1) if x.dim() == 0 else x.contiguous()
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        all_gather(out, x, world)
-        return [out]
-    result: list[torch.Tensor | None] = [None] * len(leaves)
-    for indices in _by_device(leaves):
-        order, buf, offsets = _pack([leaves[i] for i in indices])
-        out = buf.new_empty((world, buf.numel()))
-        all_gather(out.view(-1), buf, world)
-        for j, rows in zip(order, torch.split(out, _sizes(offsets, buf.numel()), dim=1), strict=False):
-            leaf = leaves[indices[j]]
-            shape = (world * leaf.shape[0], *leaf.shape[1:]) if leaf.dim() else (world,)
-            # rows: (world, bytes) -> (world, numel) -> the leaves of every rank, concatenated (one copy)
-            result[indices[j]] = rows.view(leaf.dtype).reshape(shape) if leaf.numel() else leaf.new_empty(shape)
-    return result  # type: ignore[return-value]
+    """Every rank's leaves, each concatenated along dim 0 in rank order (one all-gather per leaf)."""
+    out = []
+    for x in leaves:
+        if x.dtype in _NATIVE:
+            mine = flat(x)
+            result = mine.new_empty((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,))
+            if mine.numel():
+                all_gather(result.view(-1), mine, world)
+        else:  # moved as bytes
+            mine = as_bytes(x)
+            data = mine.new_empty(world * mine.numel())
+            if mine.numel():
+                all_gather(data, mine, world)
+            result = from_bytes(data, x, world)
+        out.append(result)
+    return out
 
 
 def broadcast(leaves: list[torch.Tensor], src: int, rank: int) -> list[torch.Tensor]:
-    leaves = _data(leaves)
-    if len(leaves) == 1 and leaves[0].dtype in _NATIVE:
-        x = leaves[0]
-        if rank == src:
-            out = x.resolve_conj().clone(memory_format=torch.contiguous_format)
-        else:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        _call(dist.broadcast, out, src)
-        return [out]
-    result: list[torch.Tensor | None] = [None] * len(leaves)
-    for indices in _by_device(leaves):
-        group = [leaves[i] for i in indices]
-        if rank == src:
-            order, buf, offsets = _pack(group)
-        else:
-            order, size, offsets = layout(group)
-            buf = torch.empty(size, dtype=_BYTE, device=group[0].device)
-        _call(dist.broadcast, buf, src)
-        for j, part in zip(order, torch.split(buf, _sizes(offsets, buf.numel())), strict=False):
-            x = group[j]
-            result[indices[j]] = part.view(x.dtype).view(x.shape) if x.numel() else x.new_empty(x.shape)
-    return result  # type: ignore[return-value]
+    """``src``'s leaves on every rank, as new tensors (one broadcast per leaf, as bytes)."""
+    out = []
+    for x in leaves:
+        data = own(x).view(-1).view(_BYTE) if rank == src else torch.empty(x.nbytes, dtype=_BYTE, device=x.device)
+        if data.numel():
+            broadcast_tensor(data, src)
+        out.append(from_bytes(data, x))
+    return out
 
 
 def reduce(leaves: list[torch.Tensor], op: str, world: int) -> list[torch.Tensor]:
-    leaves = _data(leaves)
-    red = dist.ReduceOp.SUM if op == "mean" and any(x.is_complex() for x in leaves) else _OPS[op]
-    if len(leaves) == 1 and leaves[0].dtype not in WIDER:  # the common case, kept lean
-        buf = leaves[0].clone(memory_format=torch.contiguous_format).resolve_conj()
-        _call(dist.all_reduce, buf, red)
-        return [buf / world if red != _OPS[op] else buf]
-    result: list[torch.Tensor | None] = [None] * len(leaves)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault((x.device, WIDER.get(x.dtype, x.dtype)), []).append(i)
-    for (_, dtype), indices in groups.items():
-        buf = torch.cat([flat(leaves[i]).to(dtype) for i in indices])
-        _call(dist.all_reduce, buf, red)
-        if red != _OPS[op]:  # the mean of complex tensors: no backend averages them
-            buf /= world
-        for i, part in zip(indices, torch.split(buf, [leaves[i].numel() for i in indices]), strict=True):
-            result[i] = part.view(leaves[i].shape).to(leaves[i].dtype)
-    return result  # type: ignore[return-value]
+    """The leaves reduced over the ranks with ``op`` (one all-reduce per leaf, in a wider dtype where needed)."""
+    out = []
+    for x in leaves:
+        wide = WIDER.get(x.dtype)
+        buf = own(x) if wide is None else flat(x).to(wide)
+        if buf.numel():
+            _call(dist.all_reduce, buf, _wire(op, x.dtype))
+        out.append(reduced(buf, op, world, x))
+    return out
 
 
-def max_sizes(sizes: list[int], device: torch.device, world: int) -> list[int]:
-    """The element-wise maximum of ``sizes`` over every rank (one all-gather)."""
-    if not sizes:
-        return []
-    mine = torch.tensor(sizes, dtype=torch.int64, device=device)
-    everyone = mine.new_empty(world * mine.numel())
-    all_gather(everyone, mine, world)
-    return everyone.view(world, -1).amax(0).tolist()
+def reduced(buf: torch.Tensor, op: str, world: int, like: torch.Tensor) -> torch.Tensor:
+    """A reduced ``buf`` as the result for ``like``: the mean divided, back in ``like``'s dtype and shape."""
+    if op == "mean":
+        buf = buf.div_(world)
+    if buf.dtype != like.dtype:
+        buf = buf.to(like.dtype)
+    return buf.view(like.shape)
+
+
+def _wire(op: str, dtype: torch.dtype) -> Any:
+    """The backend's reduction for ``op`` (a mean is a sum, divided afterwards: gloo cannot average)."""
+    return _OPS["sum" if op == "mean" else op]
 
 
 def pad(
@@ -196,8 +193,9 @@ def pad(
     """New tensors: each leaf padded with ``pad_index`` along its dim to its size in ``sizes``."""
     result = []
     for x, d, n in zip(leaves, dims, sizes, strict=True):
+        x = x.detach()
         if x.shape[d] == n:
-            result.append(x.clone())
+            result.append(own(x))
             continue
         out = x.new_full((*x.shape[:d], n, *x.shape[d + 1 :]), pad_index)
         out.narrow(d, n - x.shape[d] if pad_first else 0, x.shape[d]).copy_(x)
@@ -231,6 +229,19 @@ def gather_padded(payload: bytes, width: int, lengths: list[int], device: torch.
     return [bytes(data[r * width : r * width + n]) for r, n in enumerate(lengths)]
 
 
+def broadcast_bytes(payload: bytes, length: int, src: int, rank: int, device: torch.device) -> bytes:
+    """``src``'s ``payload`` (``length`` bytes, agreed beforehand) on every rank."""
+    data = to_tensor(payload, device) if rank == src else torch.empty(length, dtype=_BYTE, device=device)
+    if length:
+        broadcast_tensor(data, src)
+    return payload if rank == src else bytes(_host_bytes(data))
+
+
+def barrier() -> None:
+    """The backend's own barrier (unchecked collectives)."""
+    _call(dist.barrier)
+
+
 def loads(payload: bytes) -> Any:
     return pickle.loads(payload)  # only ever bytes that the ranks of this job sent
 
@@ -260,21 +271,21 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
-def _by_device(leaves: Sequence[torch.Tensor]) -> list[list[int]]:
-    groups: dict[torch.device, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(x.device, []).append(i)
-    return list(groups.values())
+def start(fn: Any, *args: Any) -> Any:
+    """Begin ``fn`` (a torch.distributed collective) without waiting; :func:`wait` waits for it."""
+    try:
+        return fn(*args, async_op=True)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        raise CommunicationError(exc) from exc
 
 
-def _sizes(offsets: list[int], total: int) -> list[int]:
-    """The byte size of each packed leaf, then of the alignment padding."""
-    return [b - a for a, b in itertools.pairwise(offsets)] + [total - offsets[-1]]
-
-
-def _pack(leaves: list[torch.Tensor]) -> tuple[list[int], torch.Tensor, list[int]]:
-    order, size, offsets = layout(leaves)
-    parts = [flat(leaves[i]).view(_BYTE) for i in order]
-    if size > offsets[-1]:
-        parts.append(torch.zeros(size - offsets[-1], dtype=_BYTE, device=leaves[0].device))  # alignment
-    return order, torch.cat(parts) if parts else torch.empty(0, dtype=_BYTE), offsets
+def wait(work: Any) -> None:
+    """Wait for work begun with :func:`start`."""
+    try:
+        _wait(work)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        raise CommunicationError(exc) from exc

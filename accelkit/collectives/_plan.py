@@ -1,143 +1,62 @@
-"""Reductions that repeat: one all-reduce, with each rank's fingerprint in the same message.
+"""Plans: what every rank sends at a point of the program, fixed by a call they all agreed on.
 
-Once a reduction went through the checked first message (:mod:`._wire`), every rank knows that
-all of them reduced N elements of one dtype with one operation at this point of the program. The
-next call there is *planned*: one all-reduce of N + K elements of that dtype, the plan taken from
-what every rank saw, so that the ranks' messages agree in size and dtype whatever their inputs.
-The last K elements carry the rank's fingerprint (operation, arguments, dtype, shapes, call number,
-digest of the calls before), reduced along with the data so that any disagreement shows: a sum
-adds bits (0 or 1), which total 0 or the world size only where all ranks agree; max, min and
-product (and the logical or/and of booleans) carry each bit and its complement, which come out as
-sent only where all agree. Every rank reads the same reduced bits, so every rank reaches the same
-verdict. A call that does not fit the plan still sends the planned message, with its fingerprint:
-when all ranks made that same call, the plan is dropped and the call goes the checked way; when
-they did not, every rank raises debug mode's table.
+A point of the program is known by the call before it (its fingerprint, the same on every rank
+that is in step). The first call at a point is checked on its own before any data moves (a small
+all-reduce of the call's token), since only then may a size chosen from one rank's input be sent.
+Once every rank agreed on a call there, its shapes become the point's plan, and the next call at
+that point sends the planned message straight away with its token in it: a rank whose call
+differs sends the planned sizes all the same (no backend ever sees messages of different sizes)
+and every rank learns from the tokens that the plan was missed.
+
+A small plan carries the token in its data message (one backend call); a large one sends the
+token in a small check beside the data, started first so that the two overlap.
 """
 
 from __future__ import annotations
 
-import functools
-import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from .. import _state
-from .._state import ProcessState
-from ..errors import DistributedOperationError
-from . import _bytes, _debug, _exchange
+from . import _check
+from ._exchange import WIDER
 
-if TYPE_CHECKING:
-    from ._header import Call
+__all__ = ["TAIL_BYTES", "Plan", "learn"]
 
-__all__ = ["Plan", "learn", "run"]
-
-_BITS = 64
-# The largest world size whose sum of ones each dtype holds exactly (a bit's count reaches it).
-_EXACT = {torch.float16: 2048, torch.bfloat16: 256, torch.float32: 1 << 24, torch.float64: 1 << 53, torch.uint8: 255,
-          torch.int8: 127, torch.int32: 1 << 31, torch.int64: 1 << 62, torch.bool: 1 << 62}  # fmt: skip
-_WIRE = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "product"}  # mean: sum, then divide
-_MIX = 0x9E3779B97F4A7C15  # spreads the call number and digest over the fingerprint's bits
-_MASK = (1 << _BITS) - 1
+TAIL_BYTES = 1 << 16  # data bytes per rank up to which the token rides in the data message
+_MAX_PLANS = 1024  # beyond, every rank forgets them all alike
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The all-reduce every rank sends at one point of the program: ``numel`` elements of ``dtype``, a fingerprint."""
+    """The message every rank sends at one point of the program."""
 
-    dtype: torch.dtype
-    wire: str  # the backend's reduction: "sum", "max", "min" or "product"
-    numel: int
+    fingerprint: int  # the call it was made from
+    mover: tuple[str, Any]  # how the data moves: ("reduce", op), ("gather", None) or ("broadcast", src)
+    shapes: tuple[tuple[torch.dtype, torch.Size], ...]  # the data's leaves (a rank that differs sends zeros)
+    tail: bool  # the token rides in the data message (else: a check beside it)
 
-
-def learn(group: _state.GroupState, key: int, leaves: list[torch.Tensor], op: str, world: int) -> None:
-    """After a reduction every rank checked the long way: plan the next call at ``key`` (when it can be)."""
-    dtypes = {x.dtype for x in leaves}
-    numel = sum(x.numel() for x in leaves)
-    if len(dtypes) == 1 and numel and world <= _EXACT.get(next(iter(dtypes)), 0) and op in _WIRE:
-        group.plans[key] = Plan(next(iter(dtypes)), _WIRE[op], numel)
+    def dummies(self, device: torch.device) -> list[torch.Tensor]:
+        """Zeros shaped like the planned data: what a rank whose call differs sends."""
+        return [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in self.shapes]
 
 
-def run(st: ProcessState, call: Call, plan: Plan) -> list[torch.Tensor] | None:
-    """The planned all-reduce: ``call``'s results when it fits the plan, None when every rank's call differs from it.
-
-    Every rank must call it when the plan exists. Raises :class:`DistributedOperationError` on every
-    rank when the ranks disagree (a rank with ``call.problem`` returns None and raises its own error).
-    """
-    group = _state.group
-    world, key = st.world_size, group.last_key
-    header = call.sent = call.header(group.chain, group.seq)
-    group.call = call
-    fits = _fits(call, plan)
-    width = _BITS if plan.wire == "sum" and plan.dtype != torch.bool else 2 * _BITS
-    size = plan.dtype.itemsize
-    message = torch.empty(plan.numel + width, dtype=plan.dtype, device=st.device)
-    raw = message.view(torch.uint8)
-    if fits:
-        offset = 0
-        for x in call.leaves:
-            _bytes.write(raw, offset, x)
-            offset += x.numel() * size
-    bits = (int.from_bytes(header[20:28], "little") ^ (zlib.crc32(header[4:20]) * _MIX)) & _MASK
-    _bytes.write(raw, plan.numel * size, _pattern(plan.dtype, width, bits, 1))
-    _exchange.all_reduce(message, plan.wire)
-    if st.backend == "fake" and width == _BITS:  # torch's fake group reduces nothing: as if every rank sent this
-        message.mul_(world)
-    seen = _bytes.read(raw[plan.numel * size :], width * size, 1, width * size)[0]
-    scale = world if width == _BITS else 1
-    if seen == _pattern(plan.dtype, width, bits, scale):
-        if not fits:  # every rank made this same call, another than planned: it goes the checked way
-            group.plans.pop(key, None)
-            return None
-        group.chain = zlib.crc32(header[:28], group.chain)  # as the checked way would, from what all sent
-        group.last_key = zlib.crc32(header[4:8] + header[20:28])
-        return _results(message, call, world)
-    group.plans.pop(key, None)
-    group.last_key = 0
-    # Every rank saw the disagreement: describe every rank's call as debug mode does.
-    _debug.check(st, call.op, call.params, call.leaves, call.spec, call.free_dim, call.problem)
-    if call.problem is not None:
-        return None
-    raise DistributedOperationError(
-        f"Cannot apply accelkit.{call.op}: the processes are out of step: they agree on this call (#{group.seq}: "
-        f"{call.describe()}) but made different collective calls before it.\nFix: Every process must call the "
-        f"same collectives in the same order (a broadcast given another src on some processes, or a collective "
-        f"that only some processes called, puts them out of step)."
-    )
+def learn(plans: dict[int, Plan], key: int, fingerprint: int, mover: tuple[str, Any], data: list[torch.Tensor],
+          world: int) -> None:  # fmt: skip
+    """After a call every rank agreed on: plan the next call at ``key`` like it."""
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    shapes = tuple((x.dtype, x.shape) for x in data)
+    plans[key] = Plan(fingerprint, mover, shapes, _small(data, mover, world))
 
 
-def _fits(call: Call, plan: Plan) -> bool:
-    if call.op != "reduce" or call.problem is not None or _WIRE.get(call.params.get("op", "")) != plan.wire:
+def _small(data: list[torch.Tensor], mover: tuple[str, Any], world: int) -> bool:
+    size = sum(x.numel() * x.element_size() for x in data)
+    if size > TAIL_BYTES or not data:
         return False
-    return all(x.dtype == plan.dtype for x in call.leaves) and sum(x.numel() for x in call.leaves) == plan.numel
-
-
-def _results(message: torch.Tensor, call: Call, world: int) -> list[torch.Tensor]:
-    if call.params.get("op") == "mean":
-        message.div_(world)
-    out, offset = [], 0
-    for x in call.leaves:
-        out.append(message[offset : offset + x.numel()].view(x.shape))
-        offset += x.numel()
-    return out
-
-
-def _pattern(dtype: torch.dtype, width: int, bits: int, scale: int) -> bytes:
-    """The fingerprint as ``width`` elements of ``dtype``: each bit (times ``scale``), then (128) each complement."""
-    table = _byte_table(dtype, scale)
-    data = bits.to_bytes(8, "little")
-    parts = [table[b] for b in data]
-    if width > _BITS:
-        parts += [table[b ^ 0xFF] for b in data]
-    return b"".join(parts)
-
-
-@functools.lru_cache(maxsize=64)
-def _byte_table(dtype: torch.dtype, scale: int) -> list[bytes]:
-    """For each byte value: its 8 bits (least first) as elements of ``dtype``, each 0 or ``scale``."""
-    values = torch.tensor([[(v >> j) & 1 for j in range(8)] for v in range(256)], dtype=torch.int64) * scale
-    table = values.to(dtype).contiguous()
-    raw = table.view(-1).view(torch.uint8)
-    row = raw.numel() // 256
-    return _bytes.read(raw, row, 256, row)
+    if mover[0] != "reduce":
+        return True
+    first = WIDER.get(data[0].dtype, data[0].dtype)
+    wire = "sum" if mover[1] == "mean" else mover[1]
+    return _check.logic(first, wire) or world <= _check.EXACT.get(first, 0)

@@ -205,6 +205,7 @@ def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
         "gradient_accumulation_steps": f.integer("gradient_accumulation_steps", 1),
         "sync_each_batch": f.flag("sync_each_batch"),
         "debug": f.flag("debug"),
+        "check_collectives": f.flag("check_collectives"),
         "cpu": f.flag("cpu"),
         "backend": f.choice("backend", DIST_BACKENDS),
         "timeout": f.number("timeout", "600"),

@@ -174,6 +174,11 @@ def end_training() -> None:
         >>> import accelkit as ak
         >>> ak.end_training()
     """
+    st = _state.peek()
+    if st is not None and st.distributed:
+        from ..collectives import settle
+
+        settle(st)  # the last collective's check, where an accelerator left it on its way
     errors = _state.end_trackers(failed=False)
     _state.reset_state()
     _raise_if_any(errors, "accelkit.end_training()", None)

@@ -1,6 +1,6 @@
 """Run by the reliability tests under `accelkit launch`: rank 0 broadcasts while rank 1 gathers.
 
-The two wait in backend calls that never meet; both must raise, and the job must end promptly.
+Both must raise the table (the calls are compared before any data moves), and the job must end promptly.
 """
 
 import torch

@@ -1,0 +1,98 @@
+"""One collective's scope: numbered, where the rank is published for the heartbeat, a backend failure named."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import NoReturn
+
+from .. import _group, _state
+from .._state import Now, ProcessState
+from ..errors import DistributedOperationError
+from . import _exchange, _signature
+from ._checked import Call
+
+__all__ = ["collective", "communication"]
+
+
+@contextlib.contextmanager
+def communication(st: ProcessState, op: str) -> Iterator[None]:
+    """Turn a backend failure in the body into an error naming ``op``."""
+    try:
+        yield
+    except _exchange.CommunicationError as exc:
+        _failed(op, st, exc)
+
+
+class collective:
+    """One collective: numbered, its start and end published for the heartbeat, a backend failure named.
+
+    The heartbeat thread reads only ``group.now``, an immutable snapshot this thread replaces.
+    """
+
+    __slots__ = ("call", "group", "st")
+
+    def __init__(self, st: ProcessState, call: Call) -> None:
+        self.st, self.call, self.group = st, call, _state.group
+
+    def __enter__(self) -> None:
+        group, call, sig = self.group, self.call, self.call.sig
+        if group.closed:
+            _refuse_closed(self.st, group.closed)
+        group.seq += 1
+        call.seq, call.token = group.seq, _signature.token(sig, group.seq)
+        group.now = Now(sig.op, group.seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        group = self.group
+        now = group.now
+        group.now = Now(now.op, now.seq, False, time.monotonic(), now.thread, 0, "")
+        if isinstance(exc, _exchange.CommunicationError):
+            _failed(self.call.op, self.st, exc, group.seq)
+        if isinstance(exc, _exchange.Conflict):
+            # The backend call cannot end (the others wait in another one): the group is unusable.
+            group.closed = f"the processes called different collectives as #{group.seq}"
+            group.abandoned = True
+            _group.abandon()
+            raise DistributedOperationError(str(exc)) from None
+
+
+def _refuse_closed(st: ProcessState, reason: str) -> NoReturn:
+    raise DistributedOperationError(
+        f"the process group of process {st.rank} was closed: {reason}\nEvery process must call the "
+        f"same collectives in the same order; fix the call above and start the job again."
+    )
+
+
+def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError, seq: int | None = None) -> NoReturn:
+    """Name the operation in a backend failure (a timeout, a lost peer), and the ranks it waited for."""
+    exc = error.cause
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    name = f"accelkit.{op}" + (f" #{seq}" if seq is not None else "")
+    lines = [f"{name} failed on process {st.rank} of {st.world_size}: {first}", *_whereabouts(st, op, seq)]
+    raise DistributedOperationError(
+        "\n".join(lines) + "\n"
+        f"Collectives wait at most {st.options.timeout:g} s (the `timeout` option of ak.init / "
+        f"@ak.distributed, or ACCELKIT_TIMEOUT). A timeout or a lost peer usually means that another "
+        f"process failed first, is stuck, or called the collectives in another order. Run with debug=True "
+        f"(or ACCELKIT_DEBUG=1) to compare every collective's inputs across processes as they are called."
+    ) from exc
+
+
+def _whereabouts(st: ProcessState, op: str, seq: int | None) -> list[str]:
+    """What the other ranks posted to the store: why one closed the group, and where each one is."""
+    group = _state.group
+    if group.store is None or seq is None:
+        return []
+    try:
+        reports = _group.read_reports(group.store, group.board)
+        if reports:
+            return [f"process {rank} stopped the group first:\n{text}" for rank, text in reports]
+        if group.heartbeat is not None:  # a fresh position from every rank that is still alive
+            time.sleep(group.heartbeat.period)
+        positions = _group.read_positions(group.store, group.board, st.world_size)
+        return _group.describe_missing(st.rank, op, seq, positions, list(range(st.world_size))).splitlines()
+    except Exception:  # the store went with the rank that hosted it
+        return []

@@ -1,0 +1,315 @@
+"""Random programs of collectives on 2 and 4 gloo processes, each call against raw torch.distributed.
+
+A program is a list of steps drawn by hypothesis, the same on every rank: a collective, a tree of
+tensors (every dtype, 0-d to 3-d, empty, transposed, offset views, stride-0 views, tensors that
+require grad, conjugate views, RNG states) and, now and then, a call that every rank makes with an
+invalid argument. Each rank builds its own inputs from the step, its rank and a seed, and checks
+every result against the same job done with raw torch.distributed in the same group: bit-identical
+values, the same dtype and shape, storage of its own (no offset, no extra bytes, shared with no
+input and no other result), no autograd history, inputs untouched, and refused calls refused on
+every rank without disturbing the calls after them. Values are small integers, so that sums come
+out the same in any order of the ranks (4 processes) and a bit-for-bit comparison is fair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import accelkit as ak
+from accelkit.testing import WorkerPool
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int8", "uint8", "int16",
+          "int32", "int64", "bool", "float8_e4m3fn")  # fmt: skip
+LAYOUTS = ("contiguous", "transposed", "offset", "expanded", "grad", "conj")
+OPS = ("gather", "reduce", "broadcast", "pad_across_processes")
+REDUCE_OPS = ("sum", "mean", "max", "min", "product")
+REFUSALS = ("mean of integers", "unknown op", "not a tensor", "complex max")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    op: str  # a collective, "rng state" (a generator's state broadcast and set), or "refuse"
+    tree: Any  # a Leaf, or a list / dict of them
+    arg: Any  # reduce's op, broadcast's src, pad's dim, or the refusal
+
+
+def _leaves(draw_dtypes: tuple[str, ...] = DTYPES) -> st.SearchStrategy[Leaf]:
+    shape = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+    return st.builds(Leaf, st.sampled_from(draw_dtypes), shape, st.sampled_from(LAYOUTS))
+
+
+def _trees() -> st.SearchStrategy[Any]:
+    leaf = _leaves()
+    return st.one_of(
+        leaf,
+        st.lists(leaf, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from("abcde"), leaf, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from("xy"), st.lists(leaf, min_size=1, max_size=2), min_size=1, max_size=2),
+    )
+
+
+@st.composite
+def _steps(draw: Any, world: int) -> Step:
+    kind = draw(st.sampled_from((*OPS, *OPS, "rng state", "refuse")))
+    tree = draw(_trees())
+    if kind == "reduce":
+        return Step(kind, tree, draw(st.sampled_from(REDUCE_OPS)))
+    if kind in ("broadcast", "rng state"):
+        return Step(kind, tree, draw(st.integers(0, world - 1)))
+    if kind == "pad_across_processes":
+        return Step(kind, tree, draw(st.integers(-2, 2)))
+    if kind == "refuse":
+        return Step(kind, tree, draw(st.sampled_from(REFUSALS)))
+    return Step(kind, tree, None)
+
+
+def _build(leaf: Leaf, rank: int, seed: int, index: int, vary: int | None = None) -> torch.Tensor:
+    """This rank's tensor for ``leaf`` (the same on every call with the same arguments)."""
+    dtype = getattr(torch, leaf.dtype)
+    shape = list(leaf.shape)
+    if vary is not None and shape and -len(shape) <= vary < len(shape):
+        shape[vary] += rank  # pad_across_processes: the padded dimension differs across ranks
+    g = torch.Generator().manual_seed(seed * 7919 + index * 104729 + rank)
+    numel = 1
+    for n in shape:
+        numel *= n
+    values = torch.randint(-6, 7, (numel + 8,), generator=g)
+    if dtype == torch.bool:
+        base = values > 0
+    elif dtype.is_complex:
+        base = torch.complex(values[: numel + 8].double(), values.flip(0).double()).to(dtype)
+    elif dtype in (torch.uint8,):
+        base = values.abs().to(dtype)
+    else:
+        base = values.to(dtype)
+    layout = leaf.layout
+    if layout == "transposed" and len(shape) >= 2:
+        flipped = [*shape[:-2], shape[-1], shape[-2]]
+        return base[:numel].reshape(flipped).transpose(-1, -2)
+    if layout == "offset":
+        return base[3 : 3 + numel].reshape(shape)
+    if layout == "expanded" and shape and shape[0] > 1:
+        one = base[: numel // shape[0]].reshape([1, *shape[1:]])
+        return one.expand(shape)
+    x = base[:numel].reshape(shape).clone()
+    if layout == "grad" and (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize > 1:
+        return x.requires_grad_()
+    if layout == "conj" and dtype.is_complex:
+        return x.conj()
+    return x
+
+
+def _tree(tree: Any, rank: int, seed: int, vary: int | None = None) -> Any:
+    counter = iter(range(1000))
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, Leaf):
+            return _build(node, rank, seed, next(counter), vary)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in sorted(node.items())}
+        return [walk(v) for v in node]
+
+    return walk(tree)
+
+
+def _flat(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree) for t in _flat(tree[k])]
+    return [t for v in tree for t in _flat(v)]
+
+
+# --- raw torch.distributed references ---------------------------------------------------------------------
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def _raw_bytes(x: torch.Tensor) -> torch.Tensor:
+    return _plain(x).reshape(-1).view(torch.uint8)
+
+
+def _raw_gather(x: torch.Tensor) -> torch.Tensor:
+    world = dist.get_world_size()
+    shape = (world * x.shape[0], *x.shape[1:]) if x.dim() else (world,)
+    data = _raw_bytes(x)
+    out = torch.empty(world * data.numel(), dtype=torch.uint8)
+    if data.numel():
+        _single(out, data)
+    return out.view(x.dtype).view(shape) if x.numel() else torch.empty(shape, dtype=x.dtype)
+
+
+def _raw_broadcast(x: torch.Tensor, src: int) -> torch.Tensor:
+    data = _raw_bytes(x).clone() if dist.get_rank() == src else torch.empty(x.nbytes, dtype=torch.uint8)
+    if data.numel():
+        dist.broadcast(data, src)
+    return data.view(x.dtype).view(x.shape) if x.numel() else torch.empty(x.shape, dtype=x.dtype)
+
+
+_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RAW_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
+_WIDE = {torch.int16: torch.int32, torch.float8_e4m3fn: torch.float32}
+
+
+def _raw_reduce(x: torch.Tensor, op: str) -> torch.Tensor:
+    world = dist.get_world_size()
+    wide = _WIDE.get(x.dtype)
+    if wide is None:  # the backend reduces it
+        out = _plain(x).clone()
+        if out.numel():
+            dist.all_reduce(out, _RAW_OPS[op])
+        return out / world if op == "mean" else out
+    rows = _raw_gather(x.reshape(1, *x.shape)).to(wide)  # every rank's input, in rank order
+    combine = {"sum": torch.sum, "mean": torch.sum, "max": torch.amax, "min": torch.amin, "product": torch.prod}
+    out = combine[op](rows, 0) if rows.numel() else rows.sum(0)
+    if op == "mean":
+        out = out / world
+    return out.to(x.dtype)
+
+
+def _raw_pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if not -x.dim() <= dim < x.dim():
+        return _plain(x).clone()
+    d = dim % x.dim()
+    sizes = _raw_gather(torch.tensor([x.shape[d]]))
+    out = x.new_zeros((*x.shape[:d], int(sizes.max()), *x.shape[d + 1 :])).detach()
+    out.narrow(d, 0, x.shape[d]).copy_(x.detach())
+    return out
+
+
+# --- one step ---------------------------------------------------------------------------------------------
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_raw_bytes(a), _raw_bytes(b))
+
+
+def _owns(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _refuse(kind: str, data: Any) -> None:
+    if kind == "mean of integers":
+        ak.reduce(torch.ones(3, dtype=torch.int32), op="mean")
+    elif kind == "unknown op":
+        ak.reduce(data, op="avg")  # type: ignore[arg-type]
+    elif kind == "not a tensor":
+        ak.gather({"x": torch.zeros(2), "y": "text"})
+    else:
+        ak.reduce(torch.ones(2, dtype=torch.complex64), op="max")
+
+
+def _check_step(step: Step, seed: int) -> list[str]:
+    """In a worker: run one step with accelkit and raw torch.distributed; what differs."""
+    rank = ak.rank()
+    vary = step.arg if step.op == "pad_across_processes" else None
+    data = _tree(step.tree, rank, seed, vary)
+    pristine = [_plain(t).clone() for t in _flat(data)]
+    problems: list[str] = []
+    if step.op == "refuse":
+        try:
+            _refuse(step.arg, data)
+        except (TypeError, ValueError):
+            return problems
+        return [f"{step.arg}: not refused"]
+    if step.op == "rng state":
+        state = torch.Generator().manual_seed(seed + rank).get_state()
+        out = ak.broadcast(state, src=step.arg)
+        torch.Generator().set_state(out)  # refuses a tensor that does not own its storage
+        expected = torch.Generator().manual_seed(seed + step.arg).get_state()
+        return [] if _same(out, expected) and _owns(out) else ["rng state: broadcast differs"]
+    if step.op == "reduce":
+        floats_only = step.arg == "mean"
+        ordered = step.arg in ("max", "min", "product")
+        leaves = _flat(data)
+        if (floats_only and any(not (t.is_floating_point() or t.is_complex()) for t in leaves)) or (
+            ordered and any(t.is_complex() for t in leaves)
+        ):
+            try:
+                ak.reduce(data, op=step.arg)
+            except TypeError:
+                return problems
+            return [f"reduce {step.arg} of {[t.dtype for t in leaves]}: not refused"]
+        out = ak.reduce(data, op=step.arg)
+        refs = [_raw_reduce(t, step.arg) for t in leaves]
+    elif step.op == "gather":
+        out = ak.gather(data)
+        refs = [_raw_gather(t) for t in _flat(data)]
+    elif step.op == "broadcast":
+        out = ak.broadcast(data, src=step.arg)
+        refs = [_raw_broadcast(t, step.arg) for t in _flat(data)]
+    else:
+        out = ak.pad_across_processes(data, dim=step.arg)
+        refs = [_raw_pad(t, step.arg) for t in _flat(data)]
+    results = _flat(out)
+    inputs = {t.untyped_storage().data_ptr() for t in _flat(data) if t.numel()}
+    seen: set[int] = set()
+    for i, (got, ref) in enumerate(zip(results, refs, strict=True)):
+        where = f"{step.op}({step.arg}) leaf {i} {ref.dtype} {list(ref.shape)}"
+        if not _same(got, ref):
+            problems.append(f"{where}: {got} != raw {ref}")
+        if not _owns(got):
+            problems.append(f"{where}: a view (offset {got.storage_offset()}, {got.untyped_storage().nbytes()} bytes)")
+        if got.requires_grad:
+            problems.append(f"{where}: has autograd history")
+        ptr = got.untyped_storage().data_ptr()
+        if got.numel() and (ptr in inputs or ptr in seen):
+            problems.append(f"{where}: shares storage with an input or another result")
+        seen.add(ptr)
+    if not all(torch.equal(_plain(a), b) for a, b in zip(_flat(data), pristine, strict=True)):
+        problems.append(f"{step.op}: an input was modified")
+    return problems
+
+
+def _program(steps: list[Step], seed: int) -> list[str]:
+    faulthandler.enable()
+    problems = []
+    for i, step in enumerate(steps):
+        problems += [f"step {i}: {p}" for p in _check_step(step, seed)]
+    problems += [] if ak.reduce(torch.ones(2)).tolist() == [ak.world_size()] * 2 else ["a last reduce differs"]
+    return problems
+
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@FUZZ
+@given(steps=st.lists(_steps(2), min_size=10, max_size=40), seed=st.integers(0, 2**16))
+def test_random_programs_match_raw_torch_distributed_on_two_processes(
+    pool: WorkerPool, steps: list[Step], seed: int
+) -> None:
+    for rank, problems in enumerate(pool.run(_program, steps, seed, task_timeout=120)):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@settings(FUZZ, max_examples=20)
+@given(steps=st.lists(_steps(4), min_size=10, max_size=30), seed=st.integers(0, 2**16))
+def test_random_programs_match_raw_torch_distributed_on_four_processes(
+    pool4: WorkerPool, steps: list[Step], seed: int
+) -> None:
+    for rank, problems in enumerate(pool4.run(_program, steps, seed)):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)

@@ -1,0 +1,138 @@
+"""The checked collectives are memory-safe and keep their history in step whatever a call's outcome.
+
+Reproducers that once crashed or raised falsely, each run 50 times in the same 2-process group
+with faulthandler on: a generator's state broadcast and set, refused calls between valid ones,
+Accelerate's training check with a DataLoader that has its own generator, plans that a call misses
+(a smaller last batch) and points of the program whose calls change; and the switch that leaves
+only the backend call.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import accelkit as ak
+from accelkit.testing import WorkerPool, run_distributed
+
+RUNS = 50
+
+
+def generator_states() -> bool:
+    faulthandler.enable()
+    g = torch.Generator()
+    g.manual_seed(42 + ak.rank())
+    out = ak.broadcast(g.get_state())  # uint8 [5056]
+    torch.Generator().set_state(out)  # refuses a tensor that does not own its storage
+    again = ak.broadcast(g.get_state())
+    torch.Generator().set_state(again)
+    expected = torch.Generator().manual_seed(42).get_state()
+    return torch.equal(out, expected) and torch.equal(again, expected)
+
+
+def refused_between_valid_calls() -> list[float]:
+    faulthandler.enable()
+    for t, op in ((torch.ones(3, dtype=torch.int32), "mean"),  # TypeError on every rank
+                  (torch.ones(1, dtype=torch.bool), "sum"),
+                  (torch.ones(3, dtype=torch.int32), "mean")):  # fmt: skip
+        try:
+            ak.reduce(t, op=op)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    return ak.reduce(torch.ones(4)).tolist()  # type: ignore[no-any-return]
+
+
+def accelerate_training_check(precision: str) -> list[float]:
+    """Accelerate's test_script training check: a shuffled loader with its own generator, prepared."""
+    ak.init(precision=precision)
+    g = torch.Generator().manual_seed(42)
+    x = torch.arange(64, dtype=torch.float32).unsqueeze(1) / 64
+    dl = DataLoader(TensorDataset(x, 2 * x + 1), batch_size=16, shuffle=True, generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    dl, model, opt = ak.prepare(dl, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for xb, yb in dl:
+        opt.zero_grad()
+        ak.backward(torch.nn.functional.mse_loss(model(xb).float(), yb))
+        opt.step()
+    return [p.item() for p in ak.unwrap(model).parameters()]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("task", [generator_states, refused_between_valid_calls], ids=lambda f: f.__name__)
+def test_the_reproducers_pass_fifty_runs_of_fifty(pool: WorkerPool, task: Any) -> None:
+    results = [pool.run(task) for _ in range(RUNS)]
+    assert all(r == results[0] for r in results)
+    assert results[0][0] in (True, [2.0] * 4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
+def test_a_loader_with_its_own_generator_prepares_fifty_times(pool: WorkerPool, precision: str) -> None:
+    runs = RUNS if precision == "no" else 5
+    results = [pool.run(accelerate_training_check, precision) for _ in range(runs)]
+    assert all(r == results[0] for r in results)
+    assert results[0][0] == results[0][1], "the ranks trained the same model"
+
+
+def misses_and_changes() -> list[Any]:
+    """A plan missed by every rank alike (the last batch), a point whose calls alternate, a reduction of
+    another dtype and op at a planned point, objects between tensors."""
+    out: list[Any] = []
+    for n in (4, 4, 4, 3, 4, 2):
+        out.append(ak.gather(torch.arange(n) + 10 * ak.rank()).tolist())
+    for i in range(6):
+        out.append(ak.reduce(torch.ones(2 + i % 2) * (ak.rank() + 1)).tolist())
+    for op in ("sum", "max", "sum", "product"):
+        out.append(ak.reduce(torch.tensor([ak.rank() + 2], dtype=torch.int64), op=op).tolist())
+    for i in range(3):
+        out.append(ak.gather_object({"rank": ak.rank(), "i": i}))
+        out.append(ak.broadcast(torch.full((3,), float(ak.rank())), src=i % 2).tolist())
+    big = torch.arange(200_000, dtype=torch.float64) * (ak.rank() + 1)  # beyond the token's ride in the data
+    out.extend(float(ak.reduce(big).sum()) for _ in range(3))
+    return out
+
+
+@pytest.mark.distributed
+def test_plans_that_calls_miss_or_change_give_the_right_results(pool: WorkerPool) -> None:
+    first, second = pool.run(misses_and_changes)
+    assert first == second
+    expected: list[Any] = [[0, 1, 2, 3, 10, 11, 12, 13]] * 3 + [[0, 1, 2, 10, 11, 12], [0, 1, 2, 3, 10, 11, 12, 13],
+                                                            [0, 1, 10, 11]]  # fmt: skip
+    expected += [[3.0] * (2 + i % 2) for i in range(6)]
+    expected += [[5], [3], [5], [6]]
+    for i in range(3):
+        expected += [[{"rank": 0, "i": i}, {"rank": 1, "i": i}], [float(i % 2)] * 3]
+    expected += [3.0 * sum(range(200_000))] * 3
+    assert first == expected
+
+
+def unchecked() -> list[Any]:
+    x = torch.arange(3.0) + ak.rank()
+    out = [ak.reduce(x).tolist(), ak.gather(x).tolist(), ak.broadcast(x, src=1).tolist()]
+    out.append(ak.pad_across_processes(torch.ones(1 + ak.rank())).tolist())
+    out.append(ak.gather_object(ak.rank()))
+    ak.wait_for_everyone()
+    return out
+
+
+@pytest.mark.distributed
+def test_check_collectives_false_leaves_the_backend_call_alone() -> None:
+    results = run_distributed(unchecked, num_processes=2, check_collectives=False)
+    common = [[1.0, 3.0, 5.0], [0.0, 1.0, 2.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+    assert results == [[*common, [1.0, 0.0], [0, 1]], [*common, [1.0, 1.0], [0, 1]]]
+
+
+def test_check_collectives_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELKIT_CHECK_COLLECTIVES", "0")
+    assert ak.state().options.check_collectives is False
+    ak.reset_state()
+    monkeypatch.setenv("ACCELKIT_CHECK_COLLECTIVES", "maybe")
+    with pytest.raises(ak.ConfigurationError, match="ACCELKIT_CHECK_COLLECTIVES"):
+        ak.state()
