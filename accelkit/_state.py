@@ -146,8 +146,6 @@ class GroupState:
     plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
     pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
-    alarm: str = ""  # set by the heartbeat: the ranks wait in different calls (a table); the wait gives up
-    abandoned: bool = False  # a backend call was left waiting: destroying the group would wait for it (see _at_exit)
     # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
     now: Now = field(default_factory=lambda: NOWHERE)
     store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
@@ -191,7 +189,6 @@ step_watch: Any = None  # the optimizer-step hook that warns of unprepared optim
 _tracker_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
 warned: set[str] = set()  # warnings given once per process (they outlive reset_state)
-_abandoned = False  # a group of this process was left with a backend call waiting: it is never destroyed
 
 _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose them: it checks them
 
@@ -330,13 +327,11 @@ def reset_state() -> None:
     accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
-    global _abandoned
     with _lock:
         end_trackers(failed=False)
         if _current() is not None:
             _stop_upkeep()
-            _abandoned = _abandoned or group.abandoned
-            if _owns_group and not group.abandoned:
+            if _owns_group:
                 _destroy_group()
         _state, _owns_group, breakpoint_requested = None, False, False
         training, group = TrainingState(), GroupState()
@@ -561,5 +556,4 @@ def _at_exit() -> None:
     st = _current()
     models = list(training.models) if st is not None else []
     reset_state()
-    if not _abandoned:  # else it would wait for the abandoned call until the timeout; the exit ends it
-        _group.destroy_before_exit(st.strategy if st is not None else None, models)
+    _group.destroy_before_exit(st.strategy if st is not None else None, models)

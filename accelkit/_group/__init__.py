@@ -5,14 +5,13 @@ through the process group itself, so it still works when a collective is stuck o
 """
 
 from ._board import Position, describe_missing, post_report, read_positions, read_reports
-from ._form import abandon, adopt, destroy, destroy_before_exit, form, reform, start_upkeep, unpin
+from ._form import adopt, destroy, destroy_before_exit, form, reform, start_upkeep, unpin
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
 __all__ = [
     "Heartbeat",
     "Position",
-    "abandon",
     "adopt",
     "describe_missing",
     "destroy",

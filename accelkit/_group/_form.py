@@ -11,7 +11,7 @@ from ..errors import ConfigurationError, StateError
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
-__all__ = ["abandon", "adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep", "unpin"]
+__all__ = ["adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep", "unpin"]
 
 
 def form(
@@ -157,18 +157,3 @@ def destroy_before_exit(strategy: Any, models: list[Any]) -> None:
             if strategy is not None:
                 strategy.release(model)
         gc.collect()
-
-
-def abandon() -> None:
-    """Never destroy the default group: one of its backend calls waits for ranks that went elsewhere.
-
-    Destroying it (also at interpreter exit, when Python clears torch's registry of groups) joins its
-    threads, which wait for that call until the collective timeout: minutes for a process that failed
-    at once. Its Python object is kept alive for good instead, so that the process exits as it should.
-    """
-    import ctypes
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(dist.group.WORLD))

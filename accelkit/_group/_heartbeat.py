@@ -32,7 +32,7 @@ def wait_log_interval() -> float:
 class Heartbeat(threading.Thread):
     """Publishes this rank's position through ``store`` until :meth:`stop`.
 
-    ``group`` is the state's ``GroupState`` (its ``now`` snapshot is read; only ``alarm`` is written);
+    ``group`` is the state's ``GroupState`` (its ``now`` snapshot is read, nothing is written);
     ``store`` a client with a short timeout, used by this thread only.
     """
 
@@ -46,6 +46,7 @@ class Heartbeat(threading.Thread):
         self._last: tuple[Any, ...] = ()
         self._reported = 0  # "still waiting" lines printed for the current wait
         self._next_read = 0.0  # seconds into the current wait when the positions are read next
+        self._conflict = ""  # the last table of ranks waiting in different calls, printed once
 
     def start(self) -> None:
         self.beat()  # the rank's key exists before anyone can read it
@@ -88,8 +89,11 @@ class Heartbeat(threading.Thread):
         # (after 2, 4, 8, ... s), so that a long wait for one rank (a checkpoint) spares the store.
         self._next_read = 2 * waited
         positions = read_positions(self.store, self.prefix, self.world)
-        if not g.alarm:
-            g.alarm = find_conflict(self.rank, seq, signature, positions)
+        conflict = find_conflict(self.rank, seq, signature, positions)
+        if conflict and conflict != self._conflict:  # a wait that cannot end: say so once (the timeout ends it)
+            self._conflict = conflict
+            print("\n".join(f"accelkit: rank {self.rank}: {line}" for line in conflict.splitlines()),
+                  file=sys.stderr, flush=True)  # fmt: skip
         if line_due:
             self._reported += 1
             self._say_waiting(op, seq, waited, positions)

@@ -54,7 +54,7 @@ def check_tensor(token: int, device: torch.device) -> torch.Tensor:
 def bits_agree(values: list[Any], world: int, with_complements: bool) -> bool:
     """From the reduced bits (host values): whether every rank sent the same token."""
     if not with_complements:
-        return all(v == 0 or v == world for v in values)
+        return set(values) <= {0, world}
     return all(values[i] != values[i + 8] for row in range(0, len(values), 16) for i in range(row, row + 8))
 
 

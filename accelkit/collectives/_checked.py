@@ -69,7 +69,8 @@ class Reduce:
         out: list[torch.Tensor] = [leaves[0]] * len(leaves)
         verdict: Any = None
         for dtype, members in groups.items():
-            values = [_exchange.flat(leaves[i]).to(dtype) for i in members]
+            values = [_exchange.flat(leaves[i]) for i in members]
+            values = [v if v.dtype == dtype else v.to(dtype) for v in values]
             sizes = [v.numel() for v in values]
             if verdict is None:  # the first dtype carries the token
                 logic = _check.logic(dtype, self.wire)
@@ -82,8 +83,10 @@ class Reduce:
             else:
                 message = torch.cat(values)
                 _exchange.all_reduce(message, self.wire)
-            whole = len(members) == 1 and message.numel() == sizes[0]
-            parts = [message] if whole else [part.clone() for part in torch.split(message[: sum(sizes)], sizes)]
+            if len(members) == 1:  # the whole message, or its start copied out (it owns compact storage)
+                parts = [message if message.numel() == sizes[0] else message[: sizes[0]].clone()]
+            else:
+                parts = [part.clone() for part in torch.split(message[: sum(sizes)], sizes)]
             for i, part in zip(members, parts, strict=True):
                 out[i] = _exchange.reduced(part, self.op, st.world_size, leaves[i])
         return out, verdict

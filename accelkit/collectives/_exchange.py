@@ -11,13 +11,10 @@
 from __future__ import annotations
 
 import pickle
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from .. import _state
 
 _BYTE = torch.uint8
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
@@ -31,7 +28,6 @@ _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceO
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
 _SLOT = 1024  # bytes of the first message of an object exchange: 8 of length, then data
 _gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_SLICE = timedelta(seconds=1)  # how often a waiting call looks whether it should give up early
 
 
 class CommunicationError(Exception):
@@ -40,10 +36,6 @@ class CommunicationError(Exception):
     def __init__(self, cause: RuntimeError) -> None:
         super().__init__(str(cause))
         self.cause = cause
-
-
-class Conflict(Exception):
-    """The heartbeat found the ranks waiting in different calls of the same number: no wait can end."""
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -56,24 +48,14 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _wait(work: Any) -> None:
-    """Wait for ``work``; on gloo, look every second whether the heartbeat found a conflict (then give up).
+    """Wait for ``work``, bounded by the group's timeout.
 
-    Only gloo's wait with a timeout returns and may be called again. NCCL's blocks the host until the
-    work is done and, when the timeout passes first, aborts the communicator: there the wait is
-    one plain ``wait()`` and the group's own timeout (its watchdog) bounds it.
+    A plain wait: gloo's wait with a timeout (to look for trouble now and then) costs up to twice a
+    small collective, and NCCL's blocks the host and aborts the communicator when it passes. Ranks
+    that call different collectives never wait in different backend calls (see ``_checked``).
     """
-    if work is not None and dist.get_backend() != "gloo":
+    if work is not None:
         work.wait()
-        return
-    while work is not None:
-        try:
-            work.wait(_SLICE)
-            return
-        except RuntimeError as exc:
-            if not str(exc).startswith("Operation timed out"):
-                raise
-        if _state.group.alarm:  # the ranks are in different calls (see _group's heartbeat)
-            raise Conflict(_state.group.alarm)
 
 
 def broadcast_tensor(x: torch.Tensor, src: int) -> None:
@@ -105,6 +87,8 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     """``x``'s values as a contiguous 1-d tensor (a view when it already is one), without autograd history."""
     # detach: the backends refuse tensors that require grad; contiguous: reshape keeps a broadcast
     # (stride 0) view as it is, which cannot be viewed as bytes.
+    if not x.requires_grad and x.is_contiguous() and not x.is_neg() and not x.is_conj():
+        return x.view(-1)  # the common case, one call
     return (x.resolve_conj() if x.dtype in _COMPLEX else x).resolve_neg().detach().contiguous().view(-1)
 
 

@@ -51,12 +51,6 @@ class collective:
         group.now = Now(now.op, now.seq, False, time.monotonic(), now.thread, 0, "")
         if isinstance(exc, _exchange.CommunicationError):
             _failed(self.call.op, self.st, exc, group.seq)
-        if isinstance(exc, _exchange.Conflict):
-            # The backend call cannot end (the others wait in another one): the group is unusable.
-            group.closed = f"the processes called different collectives as #{group.seq}"
-            group.abandoned = True
-            _group.abandon()
-            raise DistributedOperationError(str(exc)) from None
 
 
 def _refuse_closed(st: ProcessState, reason: str) -> NoReturn:
