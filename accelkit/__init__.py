@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         world_size,
     )
     from .split import split_between_processes
-    from .tracking import end_training, get_tracker, init_trackers, log, progress
+    from .tracking import end_training, get_tracker, init_trackers, log, profile, progress
     from .training import (
         accumulate,
         backward,
@@ -120,6 +120,7 @@ _HOMES: dict[str, str] = {
     "get_tracker": ".tracking",
     "init_trackers": ".tracking",
     "log": ".tracking",
+    "profile": ".tracking",
     "progress": ".tracking",
 }
 
@@ -169,6 +170,7 @@ __all__ = [
     "precision",
     "prepare",
     "print",
+    "profile",
     "progress",
     "rank",
     "reduce",
