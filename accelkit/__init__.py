@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         set_breakpoint,
         set_seed,
         state,
+        strategy,
         wait_for_everyone,
         world_size,
     )
@@ -104,6 +105,7 @@ _HOMES: dict[str, str] = {
     "set_breakpoint": ".process",
     "set_seed": ".process",
     "state": ".process",
+    "strategy": ".process",
     "wait_for_everyone": ".process",
     "world_size": ".process",
     "split_between_processes": ".split",
@@ -182,6 +184,7 @@ __all__ = [
     "skip_first_batches",
     "split_between_processes",
     "state",
+    "strategy",
     "sync_gradients",
     "unwrap",
     "wait_for_everyone",
