@@ -26,7 +26,7 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
 
 
-def with_accelkit(steps: int, n: int, accumulation: int) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+def with_accelkit(steps: int, n: int, accumulation: int) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int]]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = ak.prepare(model, opt)
@@ -39,10 +39,10 @@ def with_accelkit(steps: int, n: int, accumulation: int) -> tuple[list[torch.Ten
                 opt.zero_grad()
                 sync.step()
             seen.append(flat(ak.unwrap(model)))
-    return seen, flat(ak.unwrap(model)), sync.num_steps
+    return seen, flat(ak.unwrap(model)), (sync.num_steps, sync.num_averages)
 
 
-def by_hand(steps: int, n: int, accumulation: int) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+def by_hand(steps: int, n: int, accumulation: int) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int]]:
     """Local SGD as one writes it without accelkit: DDP's no_sync, an all-reduce per parameter every K steps."""
     ak.state()  # the pool's process group
     model = make_model()
@@ -50,7 +50,11 @@ def by_hand(steps: int, n: int, accumulation: int) -> tuple[list[torch.Tensor], 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     world = dist.get_world_size()
 
+    averages = 0
+
     def average() -> None:
+        nonlocal averages
+        averages += 1
         for p in model.parameters():
             dist.all_reduce(p.data)
             p.data /= world
@@ -70,7 +74,7 @@ def by_hand(steps: int, n: int, accumulation: int) -> tuple[list[torch.Tensor], 
             seen.append(flat(model))
         if pending:
             average()
-    return seen, flat(model), taken
+    return seen, flat(model), (taken, averages)
 
 
 @pytest.mark.distributed
@@ -81,7 +85,8 @@ def test_local_sgd_matches_the_hand_written_loop_bit_for_bit(
     ours = pool.run(with_accelkit, steps, n, accumulation)
     reference = pool.run(by_hand, steps, n, accumulation)
     for (seen, final, taken), (ref_seen, ref_final, ref_taken) in zip(ours, reference, strict=True):
-        assert taken == ref_taken == n // accumulation  # micro-steps are not counted
+        assert taken == ref_taken  # steps and averages
+        assert taken[0] == n // accumulation  # micro-steps are not counted
         assert all(torch.equal(a, b) for a, b in zip(seen, ref_seen, strict=True))
         assert torch.equal(final, ref_final)
     (seen0, final0, _), (seen1, final1, _) = ours
@@ -143,7 +148,7 @@ def test_one_process_counts_steps_and_averages_nothing() -> None:
             ak.backward(F.mse_loss(model(x), y))
             opt.step()
             sync.step()
-    assert sync.num_steps == 3
+    assert (sync.num_steps, sync.num_averages) == (3, 0)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,9 @@ __all__ = ["LocalSGD", "local_sgd"]
 class LocalSGD:
     """The handle ``with ak.local_sgd(model, steps=K) as sync:`` gives: ``sync.step()`` after each optimizer step.
 
-    ``num_steps`` counts the real optimizer steps seen (accumulation micro-steps do not count);
-    ``enabled`` is False with one process or ``enabled=False``, where nothing is averaged.
+    ``num_steps`` counts the real optimizer steps seen (accumulation micro-steps do not count),
+    ``num_averages`` the averages taken; ``enabled`` is False with one process or
+    ``enabled=False``, where nothing is averaged.
     """
 
     def __init__(self, model: nn.Module, steps: int, enabled: bool) -> None:
@@ -29,6 +30,7 @@ class LocalSGD:
         self.steps = steps
         self.enabled = enabled
         self.num_steps = 0
+        self.num_averages = 0
         self._pending = 0  # real steps since the parameters were last averaged
 
     def step(self) -> None:
@@ -49,6 +51,7 @@ class LocalSGD:
         self._pending = 0
         if not self.enabled:
             return
+        self.num_averages += 1
         params = list(unwrap(self.model).parameters())
         with torch.no_grad():
             means = reduce([p.detach() for p in params], op="mean")
