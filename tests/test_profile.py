@@ -98,6 +98,7 @@ def test_your_handler_sees_every_window(tmp_path: Path) -> None:
         ({"schedule_option": [("active", 1)]}, TypeError, "expected a mapping of step counts"),
         ({"record_shapes": "yes"}, TypeError, "profile(record_shapes='yes'): expected True or False"),
         ({"row_limit": -1}, ValueError, "row_limit=-1): expected an integer >= 0"),
+        ({"sort_by": "self_cuda_time"}, ValueError, "sort_by='self_cuda_time'): expected one of 'self_cpu_time_total'"),
         ({"on_trace_ready": "trace.json"}, TypeError, "on_trace_ready='trace.json'): expected a function"),
     ],
 )

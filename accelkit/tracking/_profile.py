@@ -21,6 +21,9 @@ __all__ = ["profile", "trace_path"]
 
 _CALL = "accelkit.profile"
 _ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
+_SORT_KEYS = ("self_cpu_time_total", "cpu_time_total", "self_device_time_total", "device_time_total",
+              "self_cpu_memory_usage", "cpu_memory_usage", "self_device_memory_usage", "device_memory_usage",
+              "count", "flops")  # fmt: skip
 
 
 def trace_path(directory: str | os.PathLike[str], rank: int) -> Path:
@@ -83,6 +86,11 @@ def profile(
         )
     if not is_int(row_limit) or row_limit < 0:
         raise ValueError(f"{_CALL}(row_limit={row_limit!r}): expected an integer >= 0 (0: print no table)")
+    if sort_by is not None and sort_by not in _SORT_KEYS:  # checked now: the table is made after the run
+        raise ValueError(
+            f"{_CALL}(sort_by={sort_by!r}): expected one of {', '.join(map(repr, _SORT_KEYS))}"
+            + suggest(sort_by, _SORT_KEYS)
+        )
     st = _state.get()
     directory = Path(output_trace_dir) if output_trace_dir is not None else Path(st.options.project_dir) / "profile"
     tables: list[str] = []  # the op table of the last recorded window (main process)
