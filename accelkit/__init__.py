@@ -41,16 +41,18 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         set_breakpoint,
         set_seed,
         state,
+        strategy,
         wait_for_everyone,
         world_size,
     )
     from .split import split_between_processes
-    from .tracking import end_training, get_tracker, init_trackers, log, progress
+    from .tracking import end_training, get_tracker, init_trackers, log, profile, progress
     from .training import (
         accumulate,
         backward,
         clip_grad_norm_,
         clip_grad_value_,
+        local_sgd,
         no_sync,
         precision,
         prepare,
@@ -103,6 +105,7 @@ _HOMES: dict[str, str] = {
     "set_breakpoint": ".process",
     "set_seed": ".process",
     "state": ".process",
+    "strategy": ".process",
     "wait_for_everyone": ".process",
     "world_size": ".process",
     "split_between_processes": ".split",
@@ -110,6 +113,7 @@ _HOMES: dict[str, str] = {
     "backward": ".training",
     "clip_grad_norm_": ".training",
     "clip_grad_value_": ".training",
+    "local_sgd": ".training",
     "no_sync": ".training",
     "sync_gradients": ".training",
     "unwrap": ".training",
@@ -118,6 +122,7 @@ _HOMES: dict[str, str] = {
     "get_tracker": ".tracking",
     "init_trackers": ".tracking",
     "log": ".tracking",
+    "profile": ".tracking",
     "progress": ".tracking",
 }
 
@@ -156,6 +161,7 @@ __all__ = [
     "load_state",
     "local_main_process_first",
     "local_rank",
+    "local_sgd",
     "log",
     "main_process_first",
     "no_sync",
@@ -166,6 +172,7 @@ __all__ = [
     "precision",
     "prepare",
     "print",
+    "profile",
     "progress",
     "rank",
     "reduce",
@@ -177,6 +184,7 @@ __all__ = [
     "skip_first_batches",
     "split_between_processes",
     "state",
+    "strategy",
     "sync_gradients",
     "unwrap",
     "wait_for_everyone",

@@ -29,6 +29,9 @@ FSDP_MIN_PARAMS = "ACCELKIT_FSDP_MIN_PARAMS"
 FSDP_RESHARD_AFTER_FORWARD = "ACCELKIT_FSDP_RESHARD_AFTER_FORWARD"
 FSDP_CPU_OFFLOAD = "ACCELKIT_FSDP_CPU_OFFLOAD"
 DEEPSPEED_CONFIG = "ACCELKIT_DEEPSPEED_CONFIG"
+COMM_HOOK = "ACCELKIT_COMM_HOOK"  # DDP's gradient communication hook: fp16, bf16, power_sgd, ...
+COMM_WRAPPER = "ACCELKIT_COMM_WRAPPER"
+COMM_HOOK_OPTIONS = "ACCELKIT_COMM_HOOK_OPTIONS"  # JSON, e.g. {"matrix_approximation_rank": 2}
 LOG_WITH = "ACCELKIT_LOG_WITH"  # trackers for ak.init_trackers, comma-separated
 PROJECT_DIR = "ACCELKIT_PROJECT_DIR"  # where ak.init_trackers writes (default ./runs)
 LOG_LEVEL = "ACCELKIT_LOG_LEVEL"
@@ -64,6 +67,9 @@ OPTION_VARIABLES = {
     "fsdp_reshard_after_forward": FSDP_RESHARD_AFTER_FORWARD,
     "fsdp_cpu_offload": FSDP_CPU_OFFLOAD,
     "deepspeed_config": DEEPSPEED_CONFIG,
+    "comm_hook": COMM_HOOK,
+    "comm_wrapper": COMM_WRAPPER,
+    "comm_hook_options": COMM_HOOK_OPTIONS,
     "log_with": LOG_WITH,
     "project_dir": PROJECT_DIR,
 }

@@ -31,11 +31,15 @@ StrategyName = Literal["ddp", "fsdp", "deepspeed"]
 RdzvBackend = Literal["static", "c10d"]
 StartMethod = Literal["spawn", "fork", "forkserver"]
 TrackerName = Literal["tensorboard", "csv", "jsonl", "wandb", "mlflow"]
+CommHookName = Literal["no", "fp16", "bf16", "power_sgd", "batched_power_sgd"]
+CommWrapperName = Literal["no", "fp16", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 DIST_BACKENDS: tuple[str, ...] = get_args(DistBackend)
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 RDZV_BACKENDS: tuple[str, ...] = get_args(RdzvBackend)
 TRACKERS: tuple[str, ...] = get_args(TrackerName)
+COMM_HOOKS: tuple[str, ...] = get_args(CommHookName)
+COMM_WRAPPERS: tuple[str, ...] = get_args(CommWrapperName)
 DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before the job fails
 DEFAULT_RDZV_TIMEOUT = 300.0  # seconds the nodes of a job wait for each other
 
@@ -59,6 +63,10 @@ class Options:
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     deepspeed_config: str | None = None  # a JSON file path, or JSON text
+    # DDP's gradient communication hook (ak.prepare registers it; its comm_hook= option wins).
+    comm_hook: CommHookName = "no"
+    comm_wrapper: CommWrapperName = "no"  # fp16/bf16 compression around a PowerSGD hook
+    comm_hook_options: str | None = None  # JSON text of PowerSGDState's options
     # Experiment tracking (ak.init_trackers): the trackers to start ("all": every installed one), and where.
     log_with: tuple[str, ...] = ()
     project_dir: str = "runs"
@@ -112,6 +120,9 @@ class StateOptions(TypedDict, total=False):
     fsdp_reshard_after_forward: bool | None
     fsdp_cpu_offload: bool | None
     deepspeed_config: str | os.PathLike[str] | Mapping[str, Any] | None
+    comm_hook: CommHookName | None
+    comm_wrapper: CommWrapperName | None
+    comm_hook_options: str | Mapping[str, Any] | None
     log_with: TrackerName | Literal["all"] | str | Sequence[str] | None
     project_dir: str | os.PathLike[str] | None
 
@@ -218,6 +229,8 @@ _CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "backend": (DIST_BACKENDS, "None picks one for the device"),
     "strategy": (STRATEGIES, "'fsdp' shards parameters, gradients and optimizer state"),
     "rdzv_backend": (RDZV_BACKENDS, "'static' gives each node its rank"),
+    "comm_hook": (COMM_HOOKS, "'fp16' halves DDP's gradient traffic; your own hook goes to ak.prepare(comm_hook=fn)"),
+    "comm_wrapper": (COMM_WRAPPERS, "it compresses a 'power_sgd' or 'batched_power_sgd' hook's input"),
 }
 
 
@@ -291,6 +304,21 @@ def _deepspeed_config(name: str, value: object, call: str) -> object:
     return os.fspath(value)
 
 
+def _comm_hook_options(name: str, value: object, call: str) -> object:
+    fix = "e.g. {'matrix_approximation_rank': 2, 'start_powerSGD_iter': 10}, or that as JSON text"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _bad(call, name, value, "a mapping of PowerSGD options (JSON text here)", fix) from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _bad(call, name, value, "a mapping of PowerSGD options", fix)
+    try:
+        return json.dumps(dict(value), sort_keys=True)
+    except (TypeError, ValueError):
+        raise _bad(call, name, value, "numbers and booleans as values", fix) from None
+
+
 def _log_with(name: str, value: object, call: str) -> object:
     items = value.split(",") if isinstance(value, str) else value
     valid = (*TRACKERS, "all")
@@ -329,6 +357,7 @@ _RULES: dict[str, Callable[[str, object, str], object]] = {
     "log_with": _log_with,
     "fsdp_wrap": _fsdp_wrap,
     "deepspeed_config": _deepspeed_config,
+    "comm_hook_options": _comm_hook_options,
     "gpu_ids": _gpu_ids,
 }
 assert set(_RULES) == {*Options.names(), *LaunchSettings.names()}, "every option has one rule"

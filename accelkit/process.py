@@ -6,7 +6,7 @@ import builtins
 import contextlib
 import random
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar, cast, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 import wrapt
@@ -17,6 +17,7 @@ from ._state import ProcessState
 
 P = ParamSpec("P")
 R = TypeVar("R")
+RunningStrategy = Literal["single", "ddp", "fsdp", "deepspeed"]
 
 __all__ = [
     "check_breakpoint",
@@ -34,6 +35,7 @@ __all__ = [
     "set_breakpoint",
     "set_seed",
     "state",
+    "strategy",
     "wait_for_everyone",
     "world_size",
 ]
@@ -78,6 +80,23 @@ def is_main_process() -> bool:
 def is_local_main_process() -> bool:
     """Whether this is rank 0 of its node."""
     return _state.get().is_local_main_process
+
+
+def strategy() -> RunningStrategy:
+    """How this job trains: ``"single"`` (one process), ``"ddp"``, ``"fsdp"`` or ``"deepspeed"``.
+
+    Accelerate's ``accelerator.distributed_type``: ``DistributedType.NO`` is ``"single"``,
+    ``MULTI_GPU`` / ``MULTI_CPU`` are ``"ddp"`` (the device says which: ``ak.device().type``).
+    ``strategy="fsdp"`` with one process runs unsharded, so it is ``"single"`` here; DeepSpeed
+    runs its engine with any number of processes, so it stays ``"deepspeed"``.
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.strategy()
+        'single'
+    """
+    chosen = _state.strategy()
+    return cast(RunningStrategy, chosen.name)
 
 
 def wait_for_everyone() -> None:

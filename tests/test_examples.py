@@ -54,3 +54,28 @@ def test_pi_example_takes_a_process_count_and_the_cpu_flag() -> None:
     done = _run(str(EXAMPLES / "pi.py"), "--darts", "30000", "--cpu", "--num-processes", "3")
     assert done.returncode == 0, done.stderr
     assert all(f"rank {r}:" in done.stderr for r in range(3))
+
+
+def _examples_extra() -> None:
+    if importlib.util.find_spec("sklearn") is None:  # find_spec: importing sklearn here would set env variables
+        pytest.skip("needs the examples extra (sklearn)")
+
+
+@pytest.mark.distributed
+def test_local_sgd_example_averages_every_8_steps_and_learns() -> None:
+    _examples_extra()
+    done = _run(str(EXAMPLES / "local_sgd.py"), "--epochs", "5", "--cpu")  # 2 CPU processes
+    assert done.returncode == 0, done.stderr
+    # 23 steps an epoch (1,437 samples, 2 x 32 a step): averages after steps 8 and 16, and leaving the block.
+    assert "115 optimizer steps per process, 15 parameter averages" in done.stdout
+    assert float(done.stdout.strip().rsplit(" ", 1)[-1]) >= 0.9
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_local_sgd_example_with_a_power_sgd_hook_learns() -> None:
+    _examples_extra()
+    done = _run(str(EXAMPLES / "local_sgd.py"), "--epochs", "5", "--cpu", "--comm-hook", "power_sgd")
+    assert done.returncode == 0, done.stderr
+    assert "115 gradient all-reduces (power_sgd hook)" in done.stdout
+    assert float(done.stdout.strip().rsplit(" ", 1)[-1]) >= 0.9

@@ -7,19 +7,26 @@ from typing import Any
 
 from torch import nn
 
+from .comm_hooks import CommHook
 from .single import SingleProcess
 
 __all__ = ["DDP"]
 
 
 class DDP(SingleProcess):
-    """Wraps models in ``DistributedDataParallel`` (its options, e.g. ``find_unused_parameters``, pass through)."""
+    """Wraps models in ``DistributedDataParallel`` (its options, e.g. ``find_unused_parameters``, pass through),
+    with the communication hook ``ak.prepare`` resolved, if any."""
 
     name = "ddp"
 
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **model_options)
+        options = dict(model_options)
+        hook: CommHook | None = options.pop("comm_hook", None)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
+        if hook is not None:
+            hook.register(ddp)
+        return ddp
 
     def release(self, model: nn.Module) -> None:
         # DDP's reducer, logger and process_group keep the gloo group (and its threads) alive after it was

@@ -36,6 +36,7 @@ from torch import nn
 from .._options import Options
 from ..errors import ConfigurationError, StateError
 from . import Setup
+from .comm_hooks import refuse_comm_hook
 from .single import SingleProcess
 
 __all__ = ["DEFAULT_CONFIG", "DeepSpeed", "fill_auto", "read_deepspeed_config", "set_defaults"]
@@ -185,6 +186,7 @@ class DeepSpeed(SingleProcess):
         micro_batch_size: int | None,
         model_options: Mapping[str, Any],
     ) -> Setup:
+        refuse_comm_hook(model_options, self.name)
         for kind, given in (("model", models), ("optimizer", optimizers), ("scheduler", schedulers)):
             if len(given) > 1:
                 raise ConfigurationError(

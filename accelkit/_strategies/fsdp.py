@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._options import Options, suggest
 from ..errors import ConfigurationError, StateError
+from .comm_hooks import refuse_comm_hook
 from .single import SingleProcess
 
 __all__ = ["FSDP", "fully_shard_model", "select_units"]
@@ -81,6 +82,7 @@ class FSDP(SingleProcess):
         self._shard_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
+        refuse_comm_hook(model_options, self.name)
         before = dict(model.named_parameters(remove_duplicate=False))
         fully_shard_model(model, self.options, self.device, self.world_size)
         # An optimizer built before prepare holds the old parameters: remember each one's shard.

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import _env, _safe_io
-from .._options import DIST_BACKENDS, PRECISIONS, RDZV_BACKENDS, STRATEGIES, Options
+from .._options import COMM_HOOKS, COMM_WRAPPERS, DIST_BACKENDS, PRECISIONS, RDZV_BACKENDS, STRATEGIES, Options
 from .._version import __version__
 from ..errors import ConfigurationError
 from ._fields import FILE_NAMES, LAUNCH_KEYS, NO_ALIAS, Fields
@@ -215,6 +215,9 @@ def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
         "fsdp_reshard_after_forward": f.flag("fsdp_reshard_after_forward"),
         "fsdp_cpu_offload": f.flag("fsdp_cpu_offload"),
         "deepspeed_config": f.get("deepspeed_config", (str, dict), "a JSON file path or a mapping", "ds.json"),
+        "comm_hook": f.choice("comm_hook", COMM_HOOKS, NO_ALIAS),
+        "comm_wrapper": f.choice("comm_wrapper", COMM_WRAPPERS, NO_ALIAS),
+        "comm_hook_options": f.get("comm_hook_options", (str, dict), "a mapping", "{matrix_approximation_rank: 2}"),
         "log_with": f.get("log_with", (str, list), "tracker names (a list, or comma-separated)", "[tensorboard, csv]"),
         "project_dir": f.text("project_dir", "runs"),
     }

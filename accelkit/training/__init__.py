@@ -1,17 +1,20 @@
-"""The training loop: ``prepare``, ``precision``, ``backward``, ``accumulate``, clipping, ``unwrap``."""
+"""The training loop: ``prepare``, ``precision``, ``backward``, ``accumulate``, clipping, ``unwrap``, local SGD."""
 
+from ._local_sgd import LocalSGD, local_sgd
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import precision
 from ._prepare import prepare
 from ._step import accumulate, backward, clip_grad_norm_, clip_grad_value_, no_sync, sync_gradients, unwrap
 
 __all__ = [
+    "LocalSGD",
     "PreparedOptimizer",
     "PreparedScheduler",
     "accumulate",
     "backward",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "local_sgd",
     "no_sync",
     "precision",
     "prepare",

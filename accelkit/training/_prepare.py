@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .. import _state
+from .._strategies import comm_hooks
 from ..data import PreparedDataLoader, prepare_dataloader
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import MixedPrecisionModule
@@ -20,7 +21,7 @@ _MODEL_OPTIONS = {
     "find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
 }  # fmt: skip
 _LOADER_OPTIONS = {"even_batches", "split_batches", "data_seed"}
-_OPTIONS = {"join_uneven_inputs"}
+_OPTIONS = {"join_uneven_inputs", *comm_hooks.PREPARE_OPTIONS}
 
 
 @overload
@@ -43,6 +44,12 @@ def prepare(*objects: Any, **options: Any) -> Any:
       (every rank gets as many batches; the padding is dropped by ``ak.gather_for_metrics``),
       ``split_batches=False`` (True: the loader's ``batch_size`` is the global batch, split between
       the ranks), ``data_seed=None`` (a fixed seed for the shuffle order).
+    - ``comm_hook``: DDP's gradient communication hook, ``"fp16"`` / ``"bf16"`` (gradients
+      compressed to that dtype for the all-reduce), ``"power_sgd"`` / ``"batched_power_sgd"``
+      (low-rank approximations; ``comm_hook_options={"matrix_approximation_rank": 2, ...}`` are
+      ``PowerSGDState``'s), or your own ``hook(state, bucket)`` with ``comm_hook_state=``;
+      ``comm_wrapper="fp16"`` / ``"bf16"`` compresses a PowerSGD (or your) hook's input. The
+      default comes from ``ak.init(comm_hook=...)``; one process and FSDP have no DDP (FSDP refuses a hook).
     - ``join_uneven_inputs=True`` (with ``even_batches=False``, loaders whose ranks get different
       numbers of batches): the loaders of this call iterate inside PyTorch's ``Join`` with the
       DDP models of this call, so a rank that runs out of batches first shadows the others'
@@ -69,7 +76,7 @@ def prepare(*objects: Any, **options: Any) -> Any:
     join = options.get("join_uneven_inputs", False)
     if not isinstance(join, bool):
         raise TypeError(f"accelkit.prepare(join_uneven_inputs={join!r}): expected True or False")
-    model_options = {k: v for k, v in options.items() if k in _MODEL_OPTIONS}
+    model_options: dict[str, Any] = {k: v for k, v in options.items() if k in _MODEL_OPTIONS}
     loader_options = {k: v for k, v in options.items() if k in _LOADER_OPTIONS}
     st = _state.get()
     training = _state.training
@@ -77,6 +84,10 @@ def prepare(*objects: Any, **options: Any) -> Any:
     slots: dict[Kind, list[int]] = {"model": [], "optimizer": [], "scheduler": [], "loader": [], "prepared": []}
     for i, kind in enumerate(kinds):
         slots[kind].append(i)
+    if slots["model"] or any(k in options for k in comm_hooks.PREPARE_OPTIONS):
+        hook = comm_hooks.comm_hook(options, st.options)
+        if hook is not None:
+            model_options["comm_hook"] = hook
     prepared: list[Any] = list(objects)
     for i in slots["loader"]:
         prepared[i] = prepare_dataloader(objects[i], **loader_options)

@@ -6,7 +6,7 @@ Checked by ``tests/test_typing.py``; never run. ``assert_type`` pins what the AP
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -167,3 +167,19 @@ def everything_else() -> None:
         assert_type(exc.ranks, list[int])
     except (ak.DistributedOperationError, ak.ConfigurationError, ak.StateError, ak.CheckpointError):
         pass
+
+
+def less_communication() -> None:
+    ak.init(comm_hook="power_sgd", comm_wrapper="fp16", comm_hook_options={"matrix_approximation_rank": 2})
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = ak.prepare(model, optimizer, comm_hook="fp16")
+    with ak.local_sgd(model, steps=8, enabled=True) as sync:
+        optimizer.step()
+        sync.step()
+    assert_type(sync.num_steps, int)
+    schedule = {"wait": 1, "warmup": 1, "active": 2, "repeat": 1}
+    with ak.profile(activities=["cpu"], schedule_option=schedule, record_shapes=True, output_trace_dir="t") as prof:
+        prof.step()
+    assert_type(prof, torch.profiler.profile)
+    assert_type(ak.strategy(), Literal["single", "ddp", "fsdp", "deepspeed"])
