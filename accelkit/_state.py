@@ -92,6 +92,8 @@ class TrainingState:
       ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
       is how a resumed run matches each saved position to its loader.
     - ``models``: the models ``ak.prepare`` returned (weak), so that preparing one again is a no-op.
+    - ``saving``: ``ak.save_state(blocking=False)``'s save in flight and staging buffers
+      (``checkpoint/_async``); ``close()`` waits for it, before the state or group goes.
     """
 
     micro_step: int = 0
@@ -103,6 +105,7 @@ class TrainingState:
     unscaled: bool = False
     loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
     models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    saving: Any = None
 
 
 @dataclass
@@ -126,6 +129,7 @@ class GroupState:
     plans: dict[int, Any] = field(default_factory=dict)  # learned all-reduces (collectives/_plan), likewise
     last_key: int = 0  # the previous two-way collective's key into slot_sizes
     buffers: dict[str, Any] = field(default_factory=dict)  # reusable slot buffers, by role (see collectives/_wire)
+    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
     alarm: str = ""  # set by the heartbeat: the ranks wait in different calls (a table); the wait gives up
     abandoned: bool = False  # a backend call was left waiting: destroying the group would wait for it (see _at_exit)
@@ -316,6 +320,7 @@ def reset_state() -> None:
     """
     global _state, _owns_group, breakpoint_requested, training, group
     global _abandoned
+    _close_saving()
     with _lock:
         end_trackers(failed=False)
         if _current() is not None:
@@ -331,6 +336,7 @@ def new_task() -> None:
     """Start a task afresh in a process whose group lives on (``accelkit.testing``'s workers):
     forget the training objects and the options set in code; keep the group and the device."""
     global training, _state
+    _close_saving()
     with _lock:
         end_trackers(failed=False)
         training = TrainingState()
@@ -346,6 +352,13 @@ def new_task() -> None:
                 origins={},
                 strategy=select_strategy(resolved.options, st.world_size, st.device),
             )
+
+
+def _close_saving() -> None:
+    """Let a save in flight (``ak.save_state(blocking=False)``) commit or fail before its state and group go."""
+    saving, training.saving = training.saving, None
+    if saving is not None:
+        saving.close()
 
 
 def start_tracking(is_main: bool, trackers: dict[str, Any], directory: str) -> TrackingState:
