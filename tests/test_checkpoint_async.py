@@ -134,3 +134,27 @@ def test_sharded_state_resumes_bit_exact_after_an_async_save(pool: WorkerPool, t
     for rank in (0, 1):
         assert_equal(resumed[rank], reference[rank])
     assert not torch.equal(saved[0]["0.weight"], reference[0]["0.weight"])
+
+
+def fail_to_stage_on_rank_1(root: str) -> str:
+    model = ak.prepare(small_model(1.0))
+    ak.save_state(f"{root}/a", blocking=False, model=model)
+    ak.wait_for_checkpoint()
+
+    def out_of_memory(state: Any) -> Any:
+        raise MemoryError("cannot allocate the staging buffers")
+
+    if ak.rank() == 1:
+        ak._state.training.saving.stager.stage = out_of_memory
+    ak.save_state(f"{root}/b", blocking=False, model=model)
+    try:
+        ak.wait_for_checkpoint()
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_cannot_stage_fails_the_save_on_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    for message in pool.run(fail_to_stage_on_rank_1, str(tmp_path)):
+        assert "nothing was written" in message and "rank 1: MemoryError: cannot allocate the staging" in message
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and not (tmp_path / "b").exists()

@@ -44,9 +44,13 @@ class Saving:
         self.error: BaseException | None = None
         self.call = ""
 
-    def start(self, job: _save.Job, agree: Agreement, group: Any) -> None:
+    def start(self, job: _save.Job, agree: Agreement, group: Any, staging: BaseException | None) -> None:
         def run() -> None:
             try:
+                if staging is not None or agree.exchange is not None:  # a rank that could not stage stops them all
+                    agree.each(
+                        f"nothing was written; {job.tmp.name} is removed by the next save", lambda: _raise(staging)
+                    )
                 _save.write(job, agree, group)
             except BaseException as exc:  # kept for the next call on this rank (every rank has one)
                 self.error = exc
@@ -85,11 +89,19 @@ def start(job: _save.Job) -> None:
     saving = _state.training.saving
     if not isinstance(saving, Saving):
         saving = _state.training.saving = Saving(pin_memory=st.device.type == "cuda")
-    contents = job.contents
-    staged: Any = saving.stager.stage({"plain": contents.plain, "sharded": contents.sharded})  # a dict: blocking
-    job = replace(job, contents=replace(contents, plain=staged["plain"], sharded=staged["sharded"]))
+    contents, staging = job.contents, None
+    try:
+        staged: Any = saving.stager.stage({"plain": contents.plain, "sharded": contents.sharded})  # a dict: blocking
+        job = replace(job, contents=replace(contents, plain=staged["plain"], sharded=staged["sharded"]))
+    except Exception as exc:  # out of host memory: the ranks still agree, in the background, that nothing is saved
+        staging = exc
     group = _group() if st.distributed else None
-    saving.start(job, Agreement(job.call, exchange_on(group) if group is not None else None), group)
+    saving.start(job, Agreement(job.call, exchange_on(group) if group is not None else None), group, staging)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 def _group() -> Any:
