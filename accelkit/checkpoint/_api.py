@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import _state
 from ..errors import CheckpointError
-from . import _async, _full, _load, _manifest, _objects, _save
+from . import _async, _full, _load, _manifest, _objects, _rank_state, _save
 from ._agree import Agreement
 
 __all__ = ["full_state_dict", "latest_checkpoint", "load_state", "save_state", "wait_for_checkpoint"]
@@ -159,8 +159,6 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
         except Exception as exc:
             raise CheckpointError(f"{call}: {path / name}.dcp does not fit {name}: {exc}") from exc
     if loaded.mine is not None:
-        from . import _rank_state
-
         _rank_state.apply(loaded.mine)
     return loaded.values
 
