@@ -17,7 +17,16 @@ from ._version import __version__
 
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load on first use
     from ._state import ProcessState, init, is_initialized, reset_state
-    from .checkpoint import latest_checkpoint, load_state, save_model, save_state
+    from .checkpoint import (
+        CheckpointInfo,
+        full_state_dict,
+        latest_checkpoint,
+        load_state,
+        read_checkpoint,
+        save_model,
+        save_state,
+        wait_for_checkpoint,
+    )
     from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
     from .config import write_basic_config
     from .data import gather_for_metrics, skip_first_batches
@@ -73,6 +82,10 @@ _HOMES: dict[str, str] = {
     "load_state": ".checkpoint",
     "save_model": ".checkpoint",
     "save_state": ".checkpoint",
+    "CheckpointInfo": ".checkpoint",
+    "full_state_dict": ".checkpoint",
+    "read_checkpoint": ".checkpoint",
+    "wait_for_checkpoint": ".checkpoint",
     "broadcast": ".collectives",
     "broadcast_object": ".collectives",
     "gather": ".collectives",
@@ -128,6 +141,7 @@ _HOMES: dict[str, str] = {
 
 __all__ = [
     "CheckpointError",
+    "CheckpointInfo",
     "ConfigurationError",
     "DistributedOperationError",
     "ProcessState",
@@ -146,6 +160,7 @@ __all__ = [
     "end_training",
     "find_executable_batch_size",
     "free_memory",
+    "full_state_dict",
     "gather",
     "gather_for_metrics",
     "gather_object",
@@ -175,6 +190,7 @@ __all__ = [
     "profile",
     "progress",
     "rank",
+    "read_checkpoint",
     "reduce",
     "reset_state",
     "save_model",
@@ -187,6 +203,7 @@ __all__ = [
     "strategy",
     "sync_gradients",
     "unwrap",
+    "wait_for_checkpoint",
     "wait_for_everyone",
     "world_size",
     "write_basic_config",

@@ -56,11 +56,15 @@ def _write(f: IO[bytes], data: Any) -> int:
 class HashingWriter:
     """A file-like object that checksums and counts what passes through it (to a fresh file)."""
 
-    def __init__(self, f: IO[bytes], label: str) -> None:
-        self._f, self._label = f, label
+    def __init__(self, f: IO[bytes], label: str, on_first_write: Callable[[], None] | None = None) -> None:
+        self._f, self._label, self._on_first_write = f, label, on_first_write
         self.crc, self.size, self._started = 0, 0, False
 
     def write(self, data: Any) -> int:
+        first = self._on_first_write
+        if first is not None:
+            self._on_first_write = None
+            first()
         view = memoryview(data).cast("B")
         n = _write(self._f, view)
         self.crc, self.size = zlib.crc32(view, self.crc), self.size + view.nbytes
@@ -94,18 +98,20 @@ def checksum(crc: int) -> str:
     return f"crc32:{crc:08x}"
 
 
-def write_file(path: Path, produce: Callable[[Any], object]) -> FileRecord:
+def write_file(
+    path: Path, produce: Callable[[Any], object], on_first_write: Callable[[], None] | None = None
+) -> FileRecord:
     """Create ``path`` (it must not exist) with what ``produce(file)`` writes; fsynced.
 
-    Returns its size and checksum for the manifest.
+    Returns its size and checksum for the manifest. ``on_first_write`` runs once, before the first byte.
     """
-    with open_hashed(path) as writer:
+    with open_hashed(path, on_first_write) as writer:
         produce(writer)
     return writer.record()
 
 
 @contextlib.contextmanager
-def open_hashed(path: Path) -> Iterator[HashingWriter]:
+def open_hashed(path: Path, on_first_write: Callable[[], None] | None = None) -> Iterator[HashingWriter]:
     """Create ``path`` (it must not exist) and yield a checksumming writer to it; fsynced at the end.
 
     ``writer.record()`` then gives its size and checksum for the manifest.
@@ -114,7 +120,7 @@ def open_hashed(path: Path) -> Iterator[HashingWriter]:
     crash_point(f"before-file:{label}")
     try:
         with open(path, "xb") as f:
-            yield HashingWriter(f, label)
+            yield HashingWriter(f, label, on_first_write)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:

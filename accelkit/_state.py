@@ -92,6 +92,8 @@ class TrainingState:
       ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
       is how a resumed run matches each saved position to its loader.
     - ``models``: the models ``ak.prepare`` returned (weak), so that preparing one again is a no-op.
+    - ``saving``: ``ak.save_state(blocking=False)``'s save in flight and staging buffers
+      (``checkpoint/_async``); ``close()`` waits for it, before the state or group goes.
     """
 
     micro_step: int = 0
@@ -103,6 +105,7 @@ class TrainingState:
     unscaled: bool = False
     loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
     models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    saving: Any = None
 
 
 class Now(NamedTuple):
@@ -145,6 +148,7 @@ class GroupState:
     key: int = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
     plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
     pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
+    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
     # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
     now: Now = field(default_factory=lambda: NOWHERE)
@@ -327,6 +331,7 @@ def reset_state() -> None:
     accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
+    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
     with _lock:
         end_trackers(failed=False)
         if _current() is not None:
@@ -341,6 +346,7 @@ def new_task() -> None:
     """Start a task afresh in a process whose group lives on (``accelkit.testing``'s workers):
     forget the training objects and the options set in code; keep the group and the device."""
     global training, _state
+    _close_saving()
     with _lock:
         end_trackers(failed=False)
         training = TrainingState()
@@ -356,6 +362,13 @@ def new_task() -> None:
                 origins={},
                 strategy=select_strategy(resolved.options, st.world_size, st.device),
             )
+
+
+def _close_saving() -> None:
+    """Let a save in flight (``ak.save_state(blocking=False)``) commit or fail before its state and group go."""
+    saving, training.saving = training.saving, None
+    if saving is not None:
+        saving.close()
 
 
 def start_tracking(is_main: bool, trackers: dict[str, Any], directory: str) -> TrackingState:

@@ -39,8 +39,13 @@ def make_run() -> tuple[Any, Any, Any, Any]:
     return ak.prepare(model, opt, DataLoader(dataset, batch_size=4, shuffle=True), sched)
 
 
-def train(root: str, total: int, save_every: int = 0, resume: bool = False, crash_at: int = 0) -> list[float]:
-    """Losses of ``total`` steps; saves every ``save_every`` steps; resumes from the latest checkpoint."""
+def train(
+    root: str, total: int, save_every: int = 0, resume: bool = False, crash_at: int = 0, blocking: bool = True
+) -> list[float]:
+    """Losses of ``total`` steps; saves every ``save_every`` steps; resumes from the latest checkpoint.
+
+    With ``blocking=False`` each save returns once staged and training goes on while it is written.
+    """
     model, opt, loader, sched = make_run()
     step, losses = 0, []
     ckpt = ak.latest_checkpoint(root) if resume else None
@@ -60,9 +65,17 @@ def train(root: str, total: int, save_every: int = 0, resume: bool = False, cras
             step += 1
             if save_every and step % save_every == 0:
                 objects = {"model": model, "optimizer": opt, "scheduler": sched}
-                ak.save_state(f"{root}/step-{step}", keep_last=2, **objects, step=step, losses=ak.gather_object(losses))
+                ak.save_state(
+                    f"{root}/step-{step}",
+                    keep_last=2,
+                    blocking=blocking,
+                    **objects,
+                    step=step,
+                    losses=ak.gather_object(losses),
+                )
             if step == total:
                 break
+    ak.wait_for_checkpoint()  # a save in flight is committed before the task reports back
     return losses
 
 
@@ -70,18 +83,22 @@ def elastic_train(root: str) -> tuple[int, list[float]]:
     return ak.state().restart_count, train(root, 14, save_every=3, resume=True, crash_at=8)
 
 
-def test_resume_is_bit_exact_mid_epoch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_resume_is_bit_exact_mid_epoch(tmp_path: Path, blocking: bool) -> None:
     reference = train(str(tmp_path / "ref"), 25)
-    first = train(str(tmp_path / "run"), 13, save_every=13)  # 10 batches per epoch: mid-epoch 2
-    assert first == reference[:13]
-    ak.reset_state()
+    # 10 batches per epoch: the last save is mid-epoch 2; asynchronous saves are written while training goes on
+    first = train(str(tmp_path / "run"), 16, save_every=6, blocking=blocking)
+    assert first == reference[:16]
+    ak.reset_state()  # waits for a save still in flight
+    assert ak.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step-12"
     torch.manual_seed(999)  # whatever the RNG was, the checkpoint brings it back
     assert train(str(tmp_path / "run"), 25, resume=True) == reference
 
 
-def test_resume_is_bit_exact_on_two_processes(pool: WorkerPool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_resume_is_bit_exact_on_two_processes(pool: WorkerPool, tmp_path: Path, blocking: bool) -> None:
     reference = pool.run(train, str(tmp_path / "ref"), 12)
-    pool.run(train, str(tmp_path / "run"), 7, save_every=7)  # 5 batches per rank and epoch
+    pool.run(train, str(tmp_path / "run"), 9, save_every=7, blocking=blocking)  # 5 batches per rank and epoch
     assert sorted(os.listdir(tmp_path / "run" / "step-7")) == [
         "manifest.json",
         "model.pt",
@@ -122,9 +139,13 @@ def saved_fill(directory: Path) -> float:
     return float(fills.item())
 
 
-def save_pair(directory: Path, fill: float) -> None:
+def save_pair(directory: Path, fill: float, blocking: bool = True) -> None:
+    """Save a model filled with ``fill``; asynchronously, the model is changed while the save is written."""
     model = small_model(fill)
-    ak.save_state(directory, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step=int(fill))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ak.save_state(directory, model=model, optimizer=opt, step=int(fill), blocking=blocking)
+    nn.init.constant_(model.weight, -fill)  # training goes on: the save holds the state it was called with
+    ak.wait_for_checkpoint()
 
 
 POINTS = [
@@ -162,15 +183,16 @@ def kill_at(point: str) -> Callable[[str], None]:
     return hook
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("same_dir", [False, True], ids=["new-dir", "same-dir"])
 @pytest.mark.parametrize("point", POINTS)
-def test_kill_at_any_point_leaves_old_or_new(tmp_path: Path, point: str, same_dir: bool) -> None:
+def test_kill_at_any_point_leaves_old_or_new(tmp_path: Path, point: str, same_dir: bool, blocking: bool) -> None:
     save_pair(tmp_path / "a", 1.0)
     new = tmp_path / ("a" if same_dir else "b")
 
     def crash() -> None:
-        _safe_io.crash_hook = kill_at(point)
-        save_pair(new, 2.0)
+        _safe_io.crash_hook = kill_at(point)  # asynchronously: the background thread kills the process
+        save_pair(new, 2.0, blocking=blocking)
 
     status = in_child(crash)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the child did not die at {point}"
@@ -198,15 +220,18 @@ def test_an_error_mid_save_commits_nothing(tmp_path: Path, point: str, monkeypat
     assert saved_fill(tmp_path / "a") == 1.0 and ak.latest_checkpoint(tmp_path) == tmp_path / "a"
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("point", ["before-rename", "after-rename", "prune:step-1", "prune:step-2"])
-def test_rotation_never_leaves_zero_checkpoints(tmp_path: Path, point: str) -> None:
+def test_rotation_never_leaves_zero_checkpoints(tmp_path: Path, point: str, blocking: bool) -> None:
     for step in (1, 2):
-        ak.save_state(tmp_path / f"step-{step}", model=small_model(step), keep_last=1)
+        ak.save_state(tmp_path / f"step-{step}", model=small_model(step), keep_last=1, blocking=blocking)
+    ak.wait_for_checkpoint()
     assert os.listdir(tmp_path) == ["step-2"]
 
     def crash() -> None:
         _safe_io.crash_hook = kill_at(point.replace("step-1", "step-2"))
-        ak.save_state(tmp_path / "step-3", model=small_model(3.0), keep_last=1)
+        ak.save_state(tmp_path / "step-3", model=small_model(3.0), keep_last=1, blocking=blocking)
+        ak.wait_for_checkpoint()
 
     assert os.WIFSIGNALED(in_child(crash)) or point == "prune:step-1"
     latest = ak.latest_checkpoint(tmp_path)

@@ -70,14 +70,15 @@ def full_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def run(root: str, stop: int, save_at: int = 0, resume: bool = False) -> dict[str, torch.Tensor]:
+def run(root: str, stop: int, save_at: int = 0, resume: bool = False, blocking: bool = True) -> dict[str, torch.Tensor]:
     model, opt = sharded_model()
     step = ak.load_state(f"{root}/ckpt", model=model, optimizer=opt)["step"] if resume else 0
     while step < stop:
         train_step(model, opt, step)
         step += 1
         if step == save_at:
-            ak.save_state(f"{root}/ckpt", model=model, optimizer=opt, step=step)
+            ak.save_state(f"{root}/ckpt", model=model, optimizer=opt, step=step, blocking=blocking)
+    ak.wait_for_checkpoint()
     return full_state(model, opt)
 
 
@@ -174,7 +175,7 @@ def test_a_write_failure_on_one_rank_fails_every_rank_and_commits_nothing(pool: 
     assert_equal(full_state(model, opt), first)
 
 
-def kill_mid_second_save(root: str, point: str, victim: int) -> None:
+def kill_mid_second_save(root: str, point: str, victim: int, blocking: bool = True) -> None:
     """Save sharded state to ``ROOT/run/ckpt``, then SIGKILL rank ``victim`` at ``point`` of a second save there."""
     model, opt = sharded_model()
     train_step(model, opt, 0)
@@ -189,7 +190,9 @@ def kill_mid_second_save(root: str, point: str, victim: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     _safe_io.crash_hook = kill if ak.rank() == victim else None
-    ak.save_state(f"{root}/run/ckpt", model=model, optimizer=opt, step=2)
+    ak.save_state(f"{root}/run/ckpt", model=model, optimizer=opt, step=2, blocking=blocking)
+    train_step(model, opt, 2)  # asynchronously: killed while training on
+    ak.wait_for_checkpoint()
 
 
 def load_on_one_process(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -200,19 +203,21 @@ def load_on_one_process(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("point", "victim"),
+    ("point", "victim", "blocking"),
     [
-        ("mid-file:__1_0.distcp", 1),  # DCP is writing the first shard file of rank 1
-        ("after-file:__0_0.distcp", 0),  # rank 0's first shard file is whole, the rest is not written
-        ("before-rename", 0),  # every shard file and the manifest are written, not yet moved into place
+        ("mid-file:__1_0.distcp", 1, True),  # DCP is writing the first shard file of rank 1
+        ("after-file:__0_0.distcp", 0, True),  # rank 0's first shard file is whole, the rest is not written
+        ("before-rename", 0, True),  # every shard file and the manifest are written, not yet moved into place
+        ("mid-file:__1_0.distcp", 1, False),  # the same, in the background thread of save_state(blocking=False)
+        ("before-rename", 0, False),
     ],
 )
 def test_a_worker_killed_mid_sharded_save_keeps_the_previous_checkpoint(
-    pool: WorkerPool, tmp_path: Path, point: str, victim: int
+    pool: WorkerPool, tmp_path: Path, point: str, victim: int, blocking: bool
 ) -> None:
     started = time.monotonic()
     with pytest.raises(ak.WorkerError) as info:  # real processes: a killed worker would restart the pool
-        run_distributed(kill_mid_second_save, (str(tmp_path), point, victim), task_timeout=90)
+        run_distributed(kill_mid_second_save, (str(tmp_path), point, victim, blocking), task_timeout=90)
     assert time.monotonic() - started < 80, "a killed worker must end the job, not hang it"
     assert info.value.ranks[0] == victim and f"rank {victim} failed" in str(info.value) and "SIGKILL" in str(info.value)
     assert next(f for f in info.value.failures if f.rank == victim).exitcode == -signal.SIGKILL
@@ -339,16 +344,19 @@ def plant_stray_file(root: str) -> Callable[[str], None]:
     return hook
 
 
-def misuse(root: str) -> list[str]:
+def misuse(root: str) -> tuple[list[str], bool]:
     model, opt = sharded_model()
     messages = []
     try:
         ak.save_state(f"{root}/alone", optimizer=opt)
     except ValueError as exc:
         messages.append(str(exc))
-    ak.save_state(f"{root}/plain", model=plain_model())
+    plain = plain_model(seed=3)
+    ak.save_state(f"{root}/plain", model=plain, optimizer=torch.optim.AdamW(plain.parameters(), lr=0.05))
+    ak.load_state(f"{root}/plain", model=model)  # a module's state_dict() loads into the sharded module
+    loaded = all(torch.equal(model.state_dict()[k].full_tensor(), v) for k, v in plain.state_dict().items())
     try:
-        ak.load_state(f"{root}/plain", model=model)
+        ak.load_state(f"{root}/plain", model=model, optimizer=opt)
     except CheckpointError as exc:
         messages.append(str(exc))
     _safe_io.crash_hook = plant_stray_file(root)
@@ -358,17 +366,18 @@ def misuse(root: str) -> list[str]:
         messages.append(str(exc))
     finally:
         _safe_io.crash_hook = None
-    return messages
+    return messages, loaded
 
 
 def test_misuse_says_what_and_how_to_fix(pool: WorkerPool, tmp_path: Path) -> None:
-    messages = pool.run(misuse, str(tmp_path))[0]
-    assert len(messages) == 3
+    messages, loaded = pool.run(misuse, str(tmp_path))[0]
+    assert len(messages) == 3 and loaded
     assert "optimizer=PreparedOptimizer updates sharded (DTensor) parameters, but no module was passed" in messages[0]
     assert "pass the model it optimizes too, e.g. model=model, optimizer=optimizer" in messages[0]
-    assert "model.pt was saved unsharded but model here holds sharded (DTensor) state" in messages[1]
-    assert "then shard it" in messages[1]
+    assert "optimizer.pt was saved unsharded but optimizer here holds sharded (DTensor) state" in messages[1]
+    assert "full_state=True" in messages[1] and "then shard them" in messages[1]
     assert "nothing was committed" in messages[2] and "stray.bin was written without a checksum" in messages[2]
+    assert "full_state=True" in messages[2]
     assert not (tmp_path / "stray").exists()
 
 

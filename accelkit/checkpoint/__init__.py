@@ -1,7 +1,20 @@
 """Checkpoints that survive crashes: atomic save, verified safe load, exact resume."""
 
 from ..errors import CheckpointError
-from ._api import latest_checkpoint, load_state, save_state
+from ._api import full_state_dict, latest_checkpoint, load_state, save_state, wait_for_checkpoint
+from ._async import finish_saving
 from ._export import save_model
+from ._info import CheckpointInfo, read_checkpoint
 
-__all__ = ["CheckpointError", "latest_checkpoint", "load_state", "save_model", "save_state"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "finish_saving",
+    "full_state_dict",
+    "latest_checkpoint",
+    "load_state",
+    "read_checkpoint",
+    "save_model",
+    "save_state",
+    "wait_for_checkpoint",
+]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import _safe_io, _state
-from . import _sharded
+from . import _full
 
 __all__ = ["save_model"]
 
@@ -40,7 +40,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_seri
     safetensors_torch = _safetensors(safe_serialization)
     target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
     module = unwrap(model)
-    full = _sharded.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
+    full = _full.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
     if not _state.get().is_main_process:
         return target
     if safetensors_torch is None:

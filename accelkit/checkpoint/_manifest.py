@@ -41,10 +41,15 @@ def build(
     world_size: int,
     sharded: list[str] | None = None,
     facts: dict[str, str] | None = None,
+    *,
+    full: list[str] | None = None,
+    tensor_values: list[str] | None = None,
 ) -> bytes:
     """The manifest's bytes for a checkpoint of ``files``; ``sharded`` objects are DCP folders (``NAME.dcp/``).
 
-    ``facts`` are the job's versions and options, as the ranks compared them when their group formed.
+    ``facts`` are the job's versions and options, as the ranks compared them when their group formed;
+    ``full`` objects hold a full state in DCP's format (optimizers keyed by parameter names);
+    ``tensor_values`` are the values kept in ``tensor-values.pt`` instead of ``values``.
     """
     step = values.get("step")
     body = {
@@ -59,7 +64,9 @@ def build(
         "job": facts or {},
         "objects": objects,
         "sharded": sharded or [],
+        "full": full or [],
         "values": values,
+        "tensor_values": tensor_values or [],
         "files": files,
     }
     return json.dumps({"checksum": _body_checksum(body), "body": body}, indent=1).encode()
@@ -91,9 +98,15 @@ def read(directory: Path) -> dict[str, Any]:
             f"load it with the accelkit that wrote it ({body.get('accelkit')!r})"
         )
     _check_files(path, body.get("files"))
-    sharded = body.setdefault("sharded", [])  # absent from checkpoints without sharded objects
-    if not (isinstance(sharded, list) and set(sharded) <= set(body.get("objects") or [])):
-        raise CheckpointError(f"{path}: 'sharded' is {sharded!r}, expected a list of its objects")
+    for key in ("sharded", "full"):  # absent from checkpoints of earlier versions
+        names = body.setdefault(key, [])
+        if not (isinstance(names, list) and set(names) <= set(body.get("objects") or [])):
+            raise CheckpointError(f"{path}: {key!r} is {names!r}, expected a list of its objects")
+    names = body.setdefault("tensor_values", [])
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise CheckpointError(f"{path}: 'tensor_values' is {names!r}, expected a list of names")
+    if not isinstance(body.get("values"), dict):
+        raise CheckpointError(f"{path}: 'values' is {body.get('values')!r:.60}, expected a mapping")
     return body
 
 

@@ -35,26 +35,26 @@ from ..training._optim import PreparedOptimizer
 __all__ = [
     "SUFFIX",
     "check_listed",
-    "full_state_dict",
     "load",
     "optimizer_owner",
     "read_metadata",
     "referenced_files",
     "save",
     "state_dict",
+    "torch_optimizer",
 ]
 
 SUFFIX = ".dcp"
 _METADATA = ".metadata"
 
 
-def _torch_optimizer(obj: Any) -> Any:
+def torch_optimizer(obj: Any) -> Any:
     return obj.optimizer if isinstance(obj, PreparedOptimizer) else obj
 
 
 def optimizer_owner(call: str, name: str, optimizer: Any, modules: dict[str, nn.Module]) -> nn.Module:
     """The module among ``modules`` whose parameters ``optimizer`` updates (DCP keys its state by their names)."""
-    params = {id(p) for group in _torch_optimizer(optimizer).param_groups for p in group["params"]}
+    params = {id(p) for group in torch_optimizer(optimizer).param_groups for p in group["params"]}
     for module in modules.values():
         if params <= {id(p) for p in module.parameters()}:
             return module
@@ -72,7 +72,7 @@ def state_dict(obj: Any, owner: nn.Module | None) -> dict[str, Any]:
 
     if isinstance(obj, nn.Module):
         return get_model_state_dict(obj)
-    optimizer = _torch_optimizer(obj)
+    optimizer = torch_optimizer(obj)
     if owner is None:
         raise TypeError(f"{type(obj).__qualname__} is sharded: pass the module it optimizes (optimizer_owner)")
     fresh = not optimizer.state
@@ -80,14 +80,6 @@ def state_dict(obj: Any, owner: nn.Module | None) -> dict[str, Any]:
     if fresh:  # torch initialised the state with a zero-lr step to save it; leave the optimizer as it was
         optimizer.state.clear()
     return state
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state of ``model`` on the main process' CPU (empty elsewhere). Every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 # --- saving -----------------------------------------------------------------------------------
@@ -123,11 +115,12 @@ def _filesystem_type() -> type:
     return _HashingFileSystem
 
 
-def save(folder: Path, state: dict[str, Any], distributed: bool) -> dict[str, _safe_io.FileRecord]:
+def save(folder: Path, state: dict[str, Any], distributed: bool, group: Any = None) -> dict[str, _safe_io.FileRecord]:
     """Write this rank's shards of ``state`` into ``folder`` with ``dcp.save``; every rank must call it.
 
     Returns ``{"FOLDER/FILE": record}`` for the files this rank wrote (rank 0 also ``.metadata``).
-    DCP shares every rank's failure: it raises on all ranks, or on none.
+    DCP shares every rank's failure: it raises on all ranks, or on none. ``group``: the process
+    group DCP plans over (None: the default one; a background save passes its own).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -137,7 +130,7 @@ def save(folder: Path, state: dict[str, Any], distributed: bool) -> dict[str, _s
     fs = writer.fs = _filesystem_type()()
     try:
         with _single_process_is_meant():
-            dcp_save(state, storage_writer=writer, no_dist=not distributed)
+            dcp_save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(_dcp_failure(exc)) from exc
     _safe_io.fsync_dir(folder)
@@ -150,7 +143,7 @@ def check_listed(folder: Path, files: dict[str, _safe_io.FileRecord]) -> None:
     if unlisted:  # DCP wrote it some other way than through the hashing filesystem: it would be refused on load
         raise CheckpointError(
             f"{folder / unlisted[0]} was written without a checksum (torch {torch.__version__}'s DCP writer changed?); "
-            f"save this object unsharded (its full state dict) instead"
+            f"save it with ak.save_state(..., full_state=True) instead"
         )
 
 
@@ -283,7 +276,7 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, distributed: bool) -> 
     if isinstance(obj, nn.Module):
         module, optimizer = obj, None
     elif owner is not None:
-        module, optimizer = owner, _torch_optimizer(obj)
+        module, optimizer = owner, torch_optimizer(obj)
     else:
         raise TypeError(f"{type(obj).__qualname__} is loaded from DCP: pass the module it optimizes (optimizer_owner)")
     fresh = optimizer is not None and not optimizer.state

@@ -168,7 +168,8 @@ def end_training() -> None:
     """Flush and close every tracker, then tear the process group down (``ak.reset_state()``).
 
     Call it on every rank at the end of training. Trackers are also closed at interpreter exit
-    and when a worker fails, so a crash leaves the files readable.
+    and when a worker fails, so a crash leaves the files readable. A checkpoint still being
+    written (``ak.save_state(..., blocking=False)``) is waited for first, and its failure raised.
 
     Example:
         >>> import accelkit as ak
@@ -179,8 +180,18 @@ def end_training() -> None:
         from ..collectives import settle
 
         settle(st)  # the last collective's check, where an accelerator left it on its way
+    saving: Exception | None = None
+    if _state.training.saving is not None:
+        from ..checkpoint import finish_saving
+
+        try:
+            finish_saving("accelkit.end_training()")
+        except Exception as exc:  # raised once the rest is torn down
+            saving = exc
     errors = _state.end_trackers(failed=False)
     _state.reset_state()
+    if saving is not None:
+        raise saving
     _raise_if_any(errors, "accelkit.end_training()", None)
 
 

@@ -1,0 +1,79 @@
+"""The ranks' agreement after each step of a checkpoint: all succeeded, or every rank raises the same error.
+
+A step runs on every rank; then the ranks exchange success or failure (a small message, never
+the result), so that one rank's error never leaves the others waiting or goes on to a commit.
+A blocking save agrees through accelkit's collectives; a background save (``blocking=False``)
+through a gloo group of its own, so that it never interleaves with the training loop's collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .. import _state, collectives
+from ..errors import CheckpointError
+
+__all__ = ["Agreement", "describe"]
+
+T = TypeVar("T")
+Exchange = Callable[[Any], list[Any]]  # every rank's object, in rank order (an all-gather)
+
+
+def exchange_on(group: Any) -> Exchange:
+    """An all-gather of small objects over ``group`` (a process group the caller's thread alone uses)."""
+    import torch.distributed as dist
+
+    def exchange(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return exchange
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Runs checkpoint steps on every rank of ``call`` and shares their outcome (``exchange`` None: one process)."""
+
+    call: str
+    exchange: Exchange | None
+
+    @classmethod
+    def here(cls, call: str) -> Agreement:
+        """Agreement through accelkit's collectives, on the calling (training) thread."""
+        return cls(call, collectives.gather_object if _state.get().distributed else None)
+
+    def each(self, consequence: str, step: Callable[[], T]) -> T:
+        """Run ``step`` on every rank; its result here, or the same CheckpointError on every rank."""
+        return self._run(consequence, step, share=False)[0]
+
+    def gather(self, consequence: str, step: Callable[[], T]) -> list[T]:
+        """:meth:`each`, returning every rank's result (keep results small: they travel)."""
+        return self._run(consequence, step, share=True)
+
+    def _run(self, consequence: str, step: Callable[[], T], share: bool) -> list[T]:
+        error: Exception | None = None
+        value: Any = None
+        try:
+            value = step()
+            outcome: tuple[bool, Any] = (True, value if share else None)
+        except Exception as exc:
+            error, outcome = exc, (False, describe(exc))
+        outcomes = self.exchange(outcome) if self.exchange is not None else [outcome]
+        failed = [(rank, text) for rank, (ok, text) in enumerate(outcomes) if not ok]
+        if failed:
+            if isinstance(error, CheckpointError) and self.exchange is None:
+                raise error
+            lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
+            raise CheckpointError(f"{self.call} failed, {consequence}:\n{lines}") from error
+        return [v for _, v in outcomes] if share else [value]
+
+
+def describe(exc: BaseException) -> str:
+    """One line for ``exc`` in a per-rank table; a full disk says so, with the fix."""
+    if isinstance(exc, OSError) and exc.errno in (28, 122):  # ENOSPC, EDQUOT
+        where = exc.filename or "the checkpoint directory"
+        return f"no space left on device writing {where} ({exc.strerror}); free some space or save elsewhere"
+    return f"{type(exc).__name__}: {exc}"

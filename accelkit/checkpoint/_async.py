@@ -1,0 +1,115 @@
+"""``ak.save_state(blocking=False)``: stage the state in host memory, write and commit it in the background.
+
+The call collects the state and agrees on the directory as a blocking save does, then copies
+every tensor into host memory (pinned when it comes from a GPU) with DCP's ``DefaultStager``,
+which keeps those buffers between saves: from the second save on, staging is a copy into memory
+already there. A background thread then runs the rest of the save (``_save.write``): each rank
+writes and fsyncs its files, the ranks agree over a gloo group of their own (never the training
+loop's collectives), the main process commits, the ranks agree again, and then prune. Sharded
+objects go through ``dcp.save`` on that thread and group, as DCP's own ``async_save`` does.
+
+At most one save is in flight per process: the next ``save_state`` (and ``load_state``) waits
+for it. Its failure is agreed on by every rank and raised, once, by the next ``save_state``,
+``load_state``, ``ak.wait_for_checkpoint()`` or ``ak.end_training()``. ``ak.reset_state()``
+and interpreter exit wait for it too (the thread is not a daemon: a script that ends right
+after ``save_state`` still commits its checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+from .. import _state
+from ..errors import CheckpointError
+from . import _save
+from ._agree import Agreement, exchange_on
+
+__all__ = ["Saving", "finish_saving", "start"]
+
+
+class Saving:
+    """This process's save in flight, its outcome, and the staging buffers the next save reuses."""
+
+    def __init__(self, pin_memory: bool) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.stager = DefaultStager(
+            StagingOptions(pin_memory, False, False, False)
+        )  # pinned, not shared, here, blocking
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.call = ""
+
+    def start(self, job: _save.Job, agree: Agreement, group: Any, staging: BaseException | None) -> None:
+        def run() -> None:
+            try:
+                if staging is not None or agree.exchange is not None:  # a rank that could not stage stops them all
+                    agree.each(
+                        f"nothing was written; {job.tmp.name} is removed by the next save", lambda: _raise(staging)
+                    )
+                _save.write(job, agree, group)
+            except BaseException as exc:  # kept for the next call on this rank (every rank has one)
+                self.error = exc
+
+        self.call, self.error = job.call, None
+        self.thread = threading.Thread(target=run, name="accelkit-save-state")
+        self.thread.start()
+
+    def join(self) -> BaseException | None:
+        """Wait for the save in flight, if any; its error, which is then forgotten."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        return error
+
+    def close(self) -> None:
+        """Wait for the save in flight; an error nothing reported becomes a warning (``reset_state``)."""
+        error = self.join()
+        self.stager.close()
+        if error is not None:
+            warnings.warn(f"{self.call} (blocking=False) failed, and no later call reported it: {error}", stacklevel=2)
+
+
+def finish_saving(call: str) -> None:
+    """Wait for this process's save in flight; raise its failure (the same on every rank), naming ``call``."""
+    saving = _state.training.saving
+    error = saving.join() if isinstance(saving, Saving) else None
+    if error is not None:
+        raise CheckpointError(f"{call}: the earlier save in the background failed: {error}") from error
+
+
+def start(job: _save.Job) -> None:
+    """Stage ``job``'s state in host memory and write it in the background; every rank must call it."""
+    st = _state.get()
+    saving = _state.training.saving
+    if not isinstance(saving, Saving):
+        saving = _state.training.saving = Saving(pin_memory=st.device.type == "cuda")
+    contents, staging = job.contents, None
+    try:
+        staged: Any = saving.stager.stage({"plain": contents.plain, "sharded": contents.sharded})  # a dict: blocking
+        job = replace(job, contents=replace(contents, plain=staged["plain"], sharded=staged["sharded"]))
+    except Exception as exc:  # out of host memory: the ranks still agree, in the background, that nothing is saved
+        staging = exc
+    group = _group() if st.distributed else None
+    saving.start(job, Agreement(job.call, exchange_on(group) if group is not None else None), group, staging)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _group() -> Any:
+    """The gloo group background saves agree over, made once per process group (a collective)."""
+    group = _state.group.checkpoint_group
+    if group is None:
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=_state.get().options.timeout)
+        group = _state.group.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+    return group

@@ -1,0 +1,96 @@
+"""``ak.read_checkpoint``: what a checkpoint holds, read before the model exists, changing nothing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import _safe_io, _state
+from ..errors import CheckpointError
+from . import _load, _manifest
+from ._save import VALUES
+
+__all__ = ["CheckpointInfo", "read_checkpoint"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo(Mapping[str, Any]):
+    """A committed checkpoint's saved values (read it as a dict of them) and its manifest.
+
+    ``info["name"]``, ``dict(info)``: the plain values passed to ``save_state`` (tensors among
+    them on the CPU), as ``load_state`` returns them.
+
+    Attributes:
+        path: the checkpoint's directory.
+        step: the ``step`` value when it was an integer, else None.
+        world_size: the number of processes that saved it.
+        objects: the names of the objects with state (``model``, ``optimizer``, ...).
+        sharded: those saved per rank (DCP); ``full``: those gathered with ``full_state=True``.
+        created_ns: the commit time, in ns since the epoch.
+        versions: the accelkit, torch and Python versions that saved it.
+    """
+
+    path: Path
+    step: int | None
+    world_size: int
+    objects: list[str]
+    sharded: list[str]
+    full: list[str]
+    created_ns: int
+    versions: dict[str, str]
+    _values: dict[str, Any] = field(repr=False)
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise KeyError(f"{self.path} holds no value {name!r}; it holds {sorted(self._values)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
+    """The saved values and manifest of the checkpoint in ``directory``, with no side effect.
+
+    For what must be known before the objects to restore exist (the arguments the model is
+    built from): nothing is restored (no RNG, no dataloader position), no process state or group
+    is created, no warning is given, and any process may call it alone. The manifest's checksum
+    is verified, and so is the file of tensor values; the other files are verified by
+    ``load_state``. A save in flight in this process (``blocking=False``) is waited for first.
+
+    Example:
+        >>> import accelkit as ak
+        >>> info = ak.read_checkpoint("ckpt/step-10")  # doctest: +SKIP
+        >>> model = GPT(**info["model_args"]); info.step  # doctest: +SKIP
+        10
+    """
+    saving = _state.training.saving
+    if saving is not None and saving.thread is not None:
+        saving.thread.join()  # its outcome is left for the next save_state, wait_for_checkpoint or end_training
+    path = Path(directory)
+    body = _manifest.read(path)
+    if body["tensor_values"]:
+        record = body["files"].get(VALUES)
+        problem = "is missing from the manifest" if record is None else _safe_io.check_file(path / VALUES, record)
+        if problem:
+            raise CheckpointError(f"{path / VALUES} {problem}; the checkpoint is damaged: load an older one")
+    step = body.get("step")
+    created = body.get("created_ns")
+    return CheckpointInfo(
+        path=path,
+        step=step if isinstance(step, int) else None,
+        world_size=int(body.get("world_size") or 0),
+        objects=list(body.get("objects") or []),
+        sharded=list(body["sharded"]),
+        full=list(body["full"]),
+        created_ns=created if isinstance(created, int) else 0,
+        versions={k: str(body.get(k)) for k in ("accelkit", "torch", "python")},
+        _values={**body["values"], **_load.tensor_values(path, body)},
+    )

@@ -1,0 +1,235 @@
+"""Reading a checkpoint back: verify every file, deserialize what this rank needs, then apply it.
+
+Phases one and two (:func:`read`) change nothing: each rank checks its share of the files
+against the manifest (size, CRC-32; the ranks agree on the outcome), and deserializes without
+running code from them (``torch.load(weights_only=True)``, JSON, restricted unpickling of DCP's
+metadata). Plain files are mapped, not copied (``_files``). Phase three (:func:`apply`) changes
+the live objects, in the order given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from torch import nn
+
+from .. import _frames, _safe_io, _state
+from ..errors import CheckpointError
+from . import _files, _full, _manifest, _rank_state, _sharded
+from ._objects import unwrapped
+from ._save import VALUES
+
+__all__ = ["Loaded", "Verification", "apply", "read", "survey", "tensor_values"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Loaded:
+    body: dict[str, Any]  # the manifest
+    states: dict[str, Any]  # name -> state read from NAME.pt (a module's mapped from the file, others copied)
+    mine: _rank_state.RankState | None  # this rank's RNG/scaler/loader state, None when it does not apply
+    values: dict[str, Any]  # the plain values, tensors included
+
+
+def survey(
+    path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """The manifest, checked against ``objects`` and this job; and the files this rank verifies."""
+    body = _manifest.read(path)
+    _warn_versions(path, body, st)
+    missing = sorted(set(objects) - set(body.get("objects", [])))
+    if missing:
+        raise CheckpointError(f"{path} has no {missing}; it holds {body.get('objects')}, pass those names")
+    if body.get("world_size") != st.world_size and strict:
+        raise CheckpointError(
+            f"{path} was saved by {body.get('world_size')} processes, this job has {st.world_size}; resume with "
+            f"the same number, or pass strict=False to skip the per-rank RNG and dataloader state"
+        )
+    sharded = body["sharded"]
+    expected = [f"{name}{_sharded.SUFFIX}/.metadata" if name in sharded else f"{name}.pt" for name in body["objects"]]
+    expected += [f"rank-{r}.json" for r in range(body["world_size"])] + ([VALUES] if body["tensor_values"] else [])
+    return body, _share(sorted(set(expected) | set(body["files"])), body["files"], st)
+
+
+class Verification:
+    """This rank's share of a checkpoint's files, checked against the manifest on a thread of its own.
+
+    It runs while the files are read (DCP's reading, mapping plain files); nothing is applied
+    before :meth:`check` has passed on every rank.
+    """
+
+    def __init__(self, path: Path, names: list[str], files: dict[str, _safe_io.FileRecord]) -> None:
+        self.problem = ""
+        self._thread = threading.Thread(target=self._run, args=(path, names, files), name="accelkit-verify")
+        self._thread.start()
+
+    def _run(self, path: Path, names: list[str], files: dict[str, _safe_io.FileRecord]) -> None:
+        for name in names:
+            try:
+                problem = (
+                    "is missing from the manifest"
+                    if name not in files
+                    else _safe_io.check_file(path / name, files[name])
+                )
+            except OSError as exc:
+                problem = f"cannot be read ({exc.strerror})"
+            if problem:
+                self.problem = f"{path / name} {problem}; the checkpoint is damaged: load an older one"
+                return
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def check(self) -> None:
+        """Wait for the check; CheckpointError naming the first damaged file."""
+        self._thread.join()
+        if self.problem:
+            raise CheckpointError(self.problem)
+
+    def first(self, step: Callable[[], T]) -> T:
+        """``step()``; when it fails, a damaged file this check finds is given as the reason instead."""
+        try:
+            return step()
+        except Exception:
+            self.check()
+            raise
+
+
+def read(path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Loaded:
+    """Deserialize what this rank needs (plain files mapped, DCP metadata checked, values, rank state)."""
+    files: dict[str, _safe_io.FileRecord] = body["files"]
+    states = {}
+    for name in objects:
+        if name in body["sharded"]:
+            folder = f"{name}{_sharded.SUFFIX}"
+            metadata = _sharded.read_metadata(path / folder / ".metadata")
+            unlisted = sorted(f"{folder}/{ref}" for ref in _sharded.referenced_files(metadata))
+            unlisted = [ref for ref in unlisted if ref not in files]
+            if unlisted:
+                raise CheckpointError(f"{path / unlisted[0]} is missing from the manifest; the checkpoint is damaged")
+            continue
+        state = _load_file(path / f"{name}.pt")  # mapped from the file
+        # A module's load_state_dict copies from the mapping; anything else keeps what it is given: its own copy,
+        # made here, while the files are being verified.
+        states[name] = state if isinstance(unwrapped(objects[name]), nn.Module) else _files.owned(state)
+    values = {**body["values"], **tensor_values(path, body)}
+    return Loaded(body, states, _mine(path, body, st, strict, f"rank-{st.rank}.json"), values)
+
+
+def tensor_values(path: Path, body: dict[str, Any]) -> dict[str, Any]:
+    """The values saved beside tensors (``tensor-values.pt``), read into memory of their own."""
+    if not body["tensor_values"]:
+        return {}
+    found = _files.owned(_load_file(path / VALUES))
+    if not (isinstance(found, dict) and sorted(found) == sorted(body["tensor_values"])):
+        raise CheckpointError(f"{path / VALUES} does not hold the values {body['tensor_values']} the manifest names")
+    return dict(found)
+
+
+def _load_file(path: Path) -> Any:
+    try:
+        return _files.load_torch(path)
+    except Exception as exc:
+        raise CheckpointError(f"{path} was refused: {str(exc).splitlines()[0]}") from None
+
+
+def _mine(
+    path: Path, body: dict[str, Any], st: _state.ProcessState, strict: bool, rank_file: str
+) -> _rank_state.RankState | None:
+    if rank_file not in body["files"] or body["world_size"] != st.world_size:  # else strict=False: not our ranks
+        return None
+    try:
+        mine = _rank_state.decode(json.loads((path / rank_file).read_bytes()), st.rank)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path / rank_file} is malformed: {exc}") from None
+    problem = _rank_state.check_fits(mine)
+    if problem and strict:
+        raise CheckpointError(f"{path / rank_file} does not fit this run: {problem}")
+    if problem:
+        return None
+    if mine.numpy is not None and _rank_state.numpy_missing():
+        if strict:
+            raise CheckpointError(
+                f"{path / rank_file} holds NumPy's random state, but numpy cannot be imported here, so it "
+                f"cannot be restored: pip install numpy, or pass strict=False to load everything else"
+            )
+        mine = dataclasses.replace(mine, numpy=None)
+    return mine
+
+
+def apply(call: str, path: Path, name: str, obj: Any, loaded: Loaded, owners: dict[str, Any]) -> None:
+    """Load ``loaded``'s state of ``name`` into ``obj`` (read from ``NAME.pt``); CheckpointError if it does not fit."""
+    target, state, full = unwrapped(obj), loaded.states[name], name in loaded.body["full"]
+    try:
+        if isinstance(target, nn.Module):
+            _full.load_module(target, state)  # copies from the mapped file into the parameters
+        elif full:
+            _full.load_optimizer(owners[name], target, state)
+        else:
+            target.load_state_dict(state)
+    except Exception as exc:
+        raise CheckpointError(f"{call}: {path / name}.pt does not fit {name}: {exc}") from exc
+
+
+def check_fits(call: str, path: Path, objects: dict[str, Any], body: dict[str, Any]) -> list[str]:
+    """The names of ``objects`` to load from DCP folders; CheckpointError for what cannot load at all."""
+    sharded = [name for name in objects if name in body["sharded"]]
+    for name, obj in objects.items():
+        target = unwrapped(obj)
+        if name in sharded or name in body["full"] or isinstance(target, nn.Module):
+            continue  # a module's plain state_dict() is also its full state: it loads sharded or not
+        if _state.strategy().shards_state(target):
+            raise CheckpointError(
+                f"{call}: {path / name}.pt was saved unsharded but {name} here holds sharded (DTensor) state; "
+                f"save it with ak.save_state(..., full_state=True) to load it into any strategy, or load it into "
+                f"the unsharded model and optimizer, then shard them"
+            )
+    return sharded
+
+
+def readers(path: Path, objects: dict[str, Any], sharded: list[str], owners: dict[str, Any]) -> dict[str, Any]:
+    """For each DCP object, its state read into fresh tensors and the function that applies it (collectives)."""
+    distributed = _state.get().distributed
+    out: dict[str, Callable[[], None]] = {}
+    for name, obj in objects.items():  # DCP's collectives: in the same order on every rank
+        if name in sharded:
+            out[name] = _sharded.load(path / f"{name}{_sharded.SUFFIX}", unwrapped(obj), owners[name], distributed)
+    return out
+
+
+def _warn_versions(path: Path, body: dict[str, Any], st: _state.ProcessState) -> None:
+    """Once per process and versions, on the main process: the checkpoint comes from other versions."""
+    change = _manifest.version_change(body)
+    if change and st.is_main_process and change not in _state.warned:
+        _state.warned.add(change)
+        frame = _frames.user_frame()  # the warning points at the user's load_state call
+        warnings.warn_explicit(
+            f"accelkit.load_state({os.fspath(path)!r}): {change}. Loading it anyway; if it does not load or "
+            f"resumes differently, load it with the versions that saved it.",
+            UserWarning,
+            frame.f_code.co_filename if frame else "<unknown>",
+            frame.f_lineno if frame else 0,
+        )
+
+
+def _share(names: list[str], files: dict[str, _safe_io.FileRecord], st: _state.ProcessState) -> list[str]:
+    """The files this rank verifies: every listed file goes to one rank, largest first to the least loaded.
+
+    Unlisted names (expected but missing from the manifest) go to every rank. The ranks agree
+    on the outcome before anything is applied, so each file is read once in the whole job.
+    """
+    load, mine = [0] * st.world_size, []
+    for name in sorted((n for n in names if n in files), key=lambda n: (-int(files[n]["size"]), n)):
+        rank = load.index(min(load))
+        load[rank] += int(files[name]["size"]) + 1
+        if rank == st.rank:
+            mine.append(name)
+    return [n for n in names if n not in files] + mine

@@ -1,0 +1,117 @@
+"""One ``ak.save_state``, step by step: begin on the calling thread, then write, agree, commit, prune.
+
+:func:`begin` agrees on the directory and creates the temporary one beside it (collectives of the
+training thread). :func:`write` does the rest, on the calling thread for a blocking save, on a
+background thread (``_async``) for ``blocking=False``: each rank writes and fsyncs its files, the
+ranks agree that all succeeded, the main process writes the manifest and renames the temporary
+directory into place (``_commit``), the ranks agree again, and only then is anything pruned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import _group, _safe_io, _state, collectives
+from ..errors import CheckpointError
+from . import _commit, _files, _manifest, _rank_state, _sharded
+from ._agree import Agreement
+from ._objects import Contents
+
+__all__ = ["VALUES", "Job", "begin", "write"]
+
+VALUES = "tensor-values.pt"  # object files are NAME.pt with NAME an identifier: no clash
+
+
+@dataclass
+class Job:
+    """Everything a save needs once ``save_state`` has returned (the contents may be staged copies)."""
+
+    call: str
+    target: Path
+    tmp: Path
+    rank: int
+    world_size: int
+    contents: Contents
+    rank_state: bytes  # this rank's RNG states, scaler and loader positions, as captured at the call
+    facts: dict[str, str]
+    keep_last: int | None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def begin(call: str, directory: str | os.PathLike[str], keep_last: int | None, contents: Contents) -> Job:
+    """Agree on the directory and create the temporary one; every rank must call it."""
+    st = _state.get()
+    target = Path(directory).absolute()
+    token = str(collectives.broadcast_object(f"{uuid.uuid4().hex[:12]}|{target}" if st.is_main_process else None))
+    tmp = target.with_name(f"{_commit.TMP}{target.name}-{token[:12]}")
+    agree = Agreement.here(call)
+
+    def same_directory() -> None:
+        if token[13:] != str(target):  # inside an agreement: every rank raises, none waits
+            raise CheckpointError(
+                f"this rank saves to {str(target)!r} but rank 0 to {token[13:]!r}; a checkpoint is one directory: "
+                f"pass the same path on every rank (decide it on the main process and share it with "
+                f"ak.broadcast_object(path), or derive it from the step)"
+            )
+
+    agree.each("nothing was written", same_directory)
+    agree.each("nothing was written", lambda: _commit.begin(target, tmp) if st.is_main_process else None)
+    rank_state = json.dumps(_rank_state.capture()).encode()
+    facts = _group.job_facts(st.options, st.world_size)
+    return Job(call, target, tmp, st.rank, st.world_size, contents, rank_state, facts, keep_last)
+
+
+def write(job: Job, agree: Agreement, group: Any = None) -> Path:
+    """Write, agree, commit and prune; every rank must call it. ``group``: DCP's (None: the default)."""
+    undo = (
+        f"nothing was committed; the previous checkpoints are untouched and {job.tmp.name} is removed by the next save"
+    )
+    contents, tmp = job.contents, job.tmp
+
+    def files_of_this_rank() -> dict[str, _safe_io.FileRecord]:
+        files = {}
+        for name, sd in contents.sharded.items():  # first: dcp.save fails on every rank or on none, never out of step
+            files.update(_sharded.save(tmp / f"{name}{_sharded.SUFFIX}", sd, job.world_size > 1, group))
+        if job.main:
+            for name, sd in contents.plain.items():
+                files[f"{name}.pt"] = _files.write_torch(tmp / f"{name}.pt", sd)
+            if contents.tensors:
+                files[VALUES] = _files.write_torch(tmp / VALUES, contents.tensors)
+        files[f"rank-{job.rank}.json"] = _files.write_bytes(tmp / f"rank-{job.rank}.json", job.rank_state)
+        return files
+
+    parts = agree.gather(undo, files_of_this_rank)
+    files = {name: rec for part in parts for name, rec in part.items()}
+
+    def commit() -> None:
+        if job.main:
+            for name in contents.sharded:
+                _sharded.check_listed(tmp / f"{name}{_sharded.SUFFIX}", files)
+            manifest = _manifest.build(
+                files,
+                contents.objects,
+                contents.values,
+                job.world_size,
+                sorted(contents.sharded),
+                job.facts,
+                full=contents.full,
+                tensor_values=sorted(contents.tensors),
+            )
+            _commit.commit(tmp, job.target, manifest)
+
+    agree.each(undo, commit)
+    if job.keep_last is not None:
+        keep = job.keep_last
+        agree.each(
+            f"{job.target} was committed but pruning failed",
+            lambda: _commit.prune(job.target, keep) if job.main else None,
+        )
+    return job.target

@@ -1,0 +1,160 @@
+"""save_state(blocking=False): staged, written in the background, failures raised at the next call on every rank.
+
+The crash-point and resume tests of tests/test_checkpoint.py run for the asynchronous path too
+(their ``async`` ids); these are the behaviours only the background save has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_checkpoint import saved_fill, small_model
+from test_checkpoint_sharded import assert_equal, run
+
+import accelkit as ak
+from accelkit import _safe_io
+from accelkit.checkpoint import CheckpointError
+from accelkit.testing import WorkerPool
+
+
+def full_disk(*args: Any) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def fail_in_the_background_on_rank_1(root: str) -> tuple[str, str, bool]:
+    """An async save whose write fails on rank 1: (what save_state did, what the next call raised, retried)."""
+    ak.save_state(f"{root}/a", model=ak.prepare(small_model(1.0)), step=1)
+    write = _safe_io._write
+    if ak.rank() == 1:
+        _safe_io._write = full_disk
+    try:
+        returned = str(ak.save_state(f"{root}/b", blocking=False, model=ak.prepare(small_model(2.0)), step=2))
+        try:
+            ak.wait_for_checkpoint()
+        except CheckpointError as exc:
+            raised = str(exc)
+        else:
+            raised = "no error"
+    finally:
+        _safe_io._write = write
+    ak.save_state(f"{root}/b", blocking=False, model=ak.prepare(small_model(3.0)), step=3)  # the error was raised once
+    ak.wait_for_checkpoint()
+    return returned, raised, ak.read_checkpoint(f"{root}/b")["step"] == 3
+
+
+def test_a_background_write_failure_raises_at_the_next_call_on_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    for returned, raised, retried in pool.run(fail_in_the_background_on_rank_1, str(tmp_path)):
+        assert returned == str(tmp_path / "b"), "the call itself returns once the state is staged"
+        assert raised.startswith("accelkit.wait_for_checkpoint(): the earlier save in the background failed")
+        assert "nothing was committed" in raised and "rank 1: no space left on device writing" in raised
+        assert retried
+
+
+@contextlib.contextmanager
+def tiny_disk(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``where`` (root only): a real full disk."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_raises_at_the_next_save_state_and_at_end_training(tmp_path: Path) -> None:
+    with tiny_disk(tmp_path / "disk", "256k") as disk:
+        ak.save_state(disk / "a", model=small_model(1.0))  # 16 KB: fits
+        big = torch.nn.Linear(512, 512)  # 1 MB: does not
+        assert ak.save_state(disk / "b", blocking=False, model=big) == disk / "b"
+        with pytest.raises(CheckpointError, match=r"(?s)accelkit.save_state\('.*c'\): the earlier save in the back"):
+            ak.save_state(disk / "c", model=small_model(3.0))
+        assert not (disk / "c").exists(), "the failure is raised before the next save begins"
+        ak.save_state(disk / "b", blocking=False, model=big)
+        with pytest.raises(CheckpointError, match=r"(?s)accelkit.end_training\(\): .*no space left on device writing"):
+            ak.end_training()
+        assert not ak.is_initialized(), "end_training still tore the state down"
+        assert ak.latest_checkpoint(disk) == disk / "a" and saved_fill(disk / "a") == 1.0
+        assert [n for n in os.listdir(disk) if not n.startswith(".")] == ["a"]
+
+
+def test_a_failure_no_call_reported_is_a_warning_at_reset_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_safe_io, "_write", full_disk)
+    ak.save_state(tmp_path / "a", blocking=False, model=small_model(1.0))
+    with pytest.warns(UserWarning, match=r"(?s)blocking=False\) failed, and no later call reported it: .*no space"):
+        ak.reset_state()
+
+
+def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def slow(label: str) -> None:
+        if label == "before-rename":
+            time.sleep(0.5)
+
+    monkeypatch.setattr(_safe_io, "crash_hook", slow)
+    started = time.monotonic()
+    ak.save_state(tmp_path / "a", blocking=False, model=small_model(1.0), keep_last=1)
+    assert time.monotonic() - started < 0.5 and not (tmp_path / "a").exists(), "the first save is in flight"
+    ak.save_state(tmp_path / "b", blocking=False, model=small_model(2.0), keep_last=1)
+    assert (tmp_path / "a").exists(), "the second save began after the first was committed"
+    ak.wait_for_checkpoint()
+    assert os.listdir(tmp_path) == ["b"] and saved_fill(tmp_path / "b") == 2.0  # pruned after the commit
+    ak.wait_for_checkpoint()  # nothing in flight: returns at once
+
+
+def test_a_script_that_ends_right_after_the_call_still_commits(tmp_path: Path) -> None:
+    code = (
+        "import torch, accelkit as ak\n"
+        f"ak.save_state({str(tmp_path / 'a')!r}, blocking=False, model=torch.nn.Linear(512, 512), step=7)\n"
+    )
+    env = {**os.environ, "ACCELKIT_CPU": "1"}
+    done = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ak.read_checkpoint(tmp_path / "a")["step"] == 7
+
+
+def test_sharded_state_resumes_bit_exact_after_an_async_save(pool: WorkerPool, tmp_path: Path) -> None:
+    reference = pool.run(run, str(tmp_path / "ref"), 6)
+    saved = pool.run(run, str(tmp_path / "run"), 5, save_at=3, blocking=False)  # trains on while it is written
+    resumed = pool.run(run, str(tmp_path / "run"), 6, resume=True)
+    for rank in (0, 1):
+        assert_equal(resumed[rank], reference[rank])
+    assert not torch.equal(saved[0]["0.weight"], reference[0]["0.weight"])
+
+
+def fail_to_stage_on_rank_1(root: str) -> str:
+    model = ak.prepare(small_model(1.0))
+    ak.save_state(f"{root}/a", blocking=False, model=model)
+    ak.wait_for_checkpoint()
+
+    def out_of_memory(state: Any) -> Any:
+        raise MemoryError("cannot allocate the staging buffers")
+
+    if ak.rank() == 1:
+        ak._state.training.saving.stager.stage = out_of_memory
+    ak.save_state(f"{root}/b", blocking=False, model=model)
+    try:
+        ak.wait_for_checkpoint()
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_cannot_stage_fails_the_save_on_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    for message in pool.run(fail_to_stage_on_rank_1, str(tmp_path)):
+        assert "nothing was written" in message and "rank 1: MemoryError: cannot allocate the staging" in message
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and not (tmp_path / "b").exists()
