@@ -47,6 +47,9 @@ TEST_DEVICES = ("cpu", "cuda")
 WAIT_LOG_INTERVAL = "ACCELKIT_WAIT_LOG_INTERVAL"
 # The pid of the process that started this worker: the worker exits when it is gone.
 LAUNCHER_PID = "ACCELKIT_LAUNCHER_PID"
+# The network interfaces gloo and NCCL bind to; a multi-node launch sets those the user left unset.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 
 OPTION_VARIABLES = {
     "precision": PRECISION,

@@ -15,9 +15,14 @@ import torch
 from netns import Host, two_hosts, why_not
 from processes import subprocess_env
 
+import accelkit as ak
+from accelkit.launcher._netif import Route, route_to, socket_ifname_env
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "ddp_train.py")
 PORT = "29611"  # free in a fresh namespace
+# Debian's /etc/hosts maps the hostname to 127.0.1.1: gloo binds there, where no other host can connect.
+ELSEWHERE = ("127.0.1.1", "127.0.1.1")
 
 needs_namespaces = pytest.mark.skipif(bool(why_not()), reason=str(why_not()))
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -77,14 +82,18 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[tuple[Host, Host]]:
         yield pair
 
 
-def _train_on_two_hosts(hosts: tuple[Host, Host], rdzv: str, how: str, tmp_path: Path) -> dict[str, torch.Tensor]:
-    """Node 0 and node 1 in their namespaces until both end; rank 0's trained parameters."""
+def _train_on_two_hosts(
+    hosts: tuple[Host, Host], rdzv: str, how: str, tmp_path: Path
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Node 0 and node 1 in their namespaces until both end; rank 0's trained parameters, each node's stderr."""
     main = hosts[0]
     extra = ("decorated",) if how == "decorated" else ()
     procs = [host.start(_node(k, main, rdzv, *extra), _env(tmp_path, rdzv)) for k, host in enumerate(hosts)]
+    errs = []
     for k, (code, err) in enumerate(_finish(procs)):
         assert code == 0, f"node {k}:\n{err[-4000:]}"
-    return dict(torch.load(tmp_path / "params.pt"))
+        errs.append(err)
+    return dict(torch.load(tmp_path / "params.pt")), errs
 
 
 def _assert_same(trained: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
@@ -100,4 +109,80 @@ def test_two_hosts_train_like_one_host(
     hosts: tuple[Host, Host], rdzv: str, how: str, one_host_params: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     assert hosts[0].run(["getent", "hosts", os.uname().nodename]).split()[0] == hosts[0].addr
-    _assert_same(_train_on_two_hosts(hosts, rdzv, how, tmp_path), one_host_params)
+    _assert_same(_train_on_two_hosts(hosts, rdzv, how, tmp_path)[0], one_host_params)
+
+
+@needs_namespaces
+@pytest.mark.parametrize("hosts", [ELSEWHERE], indirect=True, ids=["hostname elsewhere"])
+@pytest.mark.parametrize(("rdzv", "how"), [("static", "launch"), ("c10d", "launch"), ("c10d", "decorated")])
+def test_a_hostname_that_resolves_elsewhere_changes_nothing(
+    hosts: tuple[Host, Host], rdzv: str, how: str, one_host_params: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    # Without the interface chosen for them, gloo's ranks advertise 127.0.1.1 to each other (static),
+    # and with c10d no node hosts the store: each waited for the collective timeout.
+    assert hosts[0].run(["getent", "hosts", os.uname().nodename]).split()[0] == "127.0.1.1"
+    trained, errs = _train_on_two_hosts(hosts, rdzv, how, tmp_path)
+    _assert_same(trained, one_host_params)
+    for k, err in enumerate(errs):
+        ifname, addr = hosts[k].ifname, hosts[k].addr
+        expected = f"node {k} reaches the main process at {hosts[0].addr} through {ifname} ({addr}); "
+        assert expected + f"the workers bind to GLOO_SOCKET_IFNAME={ifname}, NCCL_SOCKET_IFNAME={ifname}" in err
+
+
+@needs_namespaces
+def test_a_wrong_interface_or_address_fails_in_seconds_naming_the_interfaces(
+    hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
+    main, other = hosts
+    table = f"lo (127.0.0.1, ::1), {other.ifname} ({other.addr}"
+    cases = {
+        "loopback": ({"GLOO_SOCKET_IFNAME": "lo"}, main.addr, ["GLOO_SOCKET_IFNAME='lo': 'lo' cannot carry this job"]),
+        "no such interface": ({"NCCL_SOCKET_IFNAME": "=ib0"}, main.addr, ["'=ib0'", "no such interface"]),
+        "unreachable": ({}, "10.78.0.1", ["no network interface of this machine reaches", "10.78.0.1"]),
+        "unresolvable": ({}, "node0.invalid", ["'node0.invalid' does not resolve"]),
+    }
+    for name, (variables, address, expected) in cases.items():
+        started = time.monotonic()
+        argv = _launch(
+            "-n", "2", "--num-nodes", "2", "--node-rank", "1", "--main-process-ip", address,
+            "--main-process-port", PORT, TRAIN,
+        )  # fmt: skip
+        proc = other.start(argv, subprocess_env(**variables))
+        [(code, err)] = _finish([proc], timeout=60)
+        assert time.monotonic() - started < 30, name
+        assert code == 2 and "Traceback" not in err, (name, err[-3000:])
+        assert all(part in err for part in [*expected, table]), (name, err[-3000:])
+    # `accelkit env` shows the choice, for the main process of the config file.
+    config = tmp_path / "accelkit.yaml"
+    config.write_text(f"num_nodes: 2\nmain_process_ip: {main.addr}\nmain_process_port: {PORT}\n")
+    out = other.run([sys.executable, "-m", "accelkit.cli", "env", "--config-file", str(config)], subprocess_env())
+    assert f"- main process: {main.addr}, reached through {other.ifname} ({other.addr})\n" in out
+    assert f"- GLOO_SOCKET_IFNAME: {other.ifname} (set by a multi-node launch)\n" in out
+    # The same through @ak.distributed: the error reaches the caller.
+    code = "import accelkit as ak, os; ak.launch(os.getpid, num_processes=2, num_nodes=2, node_rank=1, "
+    code += f"master_addr='{main.addr}', master_port={PORT}, cpu=True)"
+    proc = other.start([sys.executable, "-c", code], subprocess_env(GLOO_SOCKET_IFNAME="lo"))
+    [(status, err)] = _finish([proc], timeout=60)
+    assert status == 1 and "ConfigurationError: GLOO_SOCKET_IFNAME='lo'" in err and table in err, err[-3000:]
+
+
+# --- the interface choice, on this machine's own interfaces (no namespaces) ---------------------
+
+
+def test_the_route_to_loopback_is_lo_and_fills_both_variables() -> None:
+    route = route_to("127.0.0.1", 29500)
+    assert (route.ifname, route.local_addr, route.own, route.loopback) == ("lo", "127.0.0.1", True, True)
+    assert socket_ifname_env(route, {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert socket_ifname_env(route, {"GLOO_SOCKET_IFNAME": "lo"}) == {"NCCL_SOCKET_IFNAME": "lo"}
+    assert socket_ifname_env(route, {"NCCL_SOCKET_IFNAME": "^docker,lo"}) == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_a_users_interface_that_cannot_carry_the_job_is_refused() -> None:
+    remote = Route("10.77.0.1", "lo", "127.0.0.1", own=False)  # as a node elsewhere would see it
+    with pytest.raises(ak.ConfigurationError, match=r"GLOO_SOCKET_IFNAME='lo': 'lo' cannot carry this job: it is the"):
+        socket_ifname_env(remote, {"GLOO_SOCKET_IFNAME": "lo"})
+    with pytest.raises(ak.ConfigurationError, match=r"'eth9' cannot carry this job: this machine has no such interf"):
+        socket_ifname_env(route_to("127.0.0.1"), {"GLOO_SOCKET_IFNAME": "lo,eth9"})
+    with pytest.raises(ak.ConfigurationError, match=r"This machine has lo \(127\.0\.0\.1"):
+        socket_ifname_env(route_to("127.0.0.1"), {"NCCL_SOCKET_IFNAME": "=l"})  # "=": the exact name
+    assert socket_ifname_env(route_to("127.0.0.1"), {"NCCL_SOCKET_IFNAME": "l"}) == {"GLOO_SOCKET_IFNAME": "lo"}

@@ -25,7 +25,8 @@ from .. import _env, _state
 from .._options import LaunchSettings
 from ._failures import collect_failures, record_failure
 from ._lifeline import die_with_parent
-from ._rendezvous import rendezvous_store
+from ._netif import Route
+from ._rendezvous import network_route, rendezvous_store
 from ._spec import Command, FunctionRef, Job
 from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
 
@@ -76,8 +77,10 @@ def run_workers(
     if start_method == "fork":
         flush_std_streams()  # or forked workers print what this process still buffers
     try:
+        route, network_env = network_route(config)  # a wrong address or interface fails here, in seconds
+        worker_env.update(network_env)
         with rendezvous_store(config) as (addr, port, run_id):
-            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir)
+            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route)
             with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE"):
                 return launch_agent(launch_config, entrypoint, agent_args)
     except ChildFailedError as exc:
@@ -92,12 +95,18 @@ def run_workers(
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _launch_config(config: LaunchSettings, endpoint: str, run_id: str, run_dir: str) -> Any:
+def _launch_config(config: LaunchSettings, endpoint: str, run_id: str, run_dir: str, route: Route | None) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     seconds = math.ceil(config.rdzv_timeout)
     static = config.rdzv_backend == "static"
+    rdzv_configs: dict[str, Any] = (
+        {"rank": config.node_rank, "timeout": seconds} if static else {"join_timeout": seconds}
+    )
+    if route is not None and not static and not route.loopback:
+        # torch guesses from the hostname whether this node hosts the store; the address says it.
+        rdzv_configs["is_host"] = route.own and config.node_rank == 0
     return LaunchConfig(
         min_nodes=config.num_nodes,
         max_nodes=config.num_nodes,
@@ -105,7 +114,9 @@ def _launch_config(config: LaunchSettings, endpoint: str, run_id: str, run_dir: 
         run_id=run_id,
         rdzv_backend=config.rdzv_backend,
         rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": config.node_rank, "timeout": seconds} if static else {"join_timeout": seconds},
+        rdzv_configs=rdzv_configs,
+        # The address the other nodes reach this one at (node 0's: where its workers' store listens).
+        local_addr=route.local_addr if route is not None else None,
         max_restarts=config.max_restarts,
         monitor_interval=0.05,
         start_method=config.start_method or "spawn",

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
+from ._netif import SOCKET_IFNAME_VARIABLES, Route, route_to, socket_ifname_env
 
 if TYPE_CHECKING:
     from .._options import LaunchSettings
@@ -72,6 +73,25 @@ def rendezvous_store(config: LaunchSettings) -> Iterator[tuple[str, int, str]]:
         ) from None
     _check_in(store, config, where, run_id, deadline)
     yield addr, port, run_id
+
+
+def network_route(config: LaunchSettings) -> tuple[Route | None, dict[str, str]]:
+    """A multi-node launch: the route to the main process, and the interface variables for the workers.
+
+    Said on stderr, with the variables the user had set. One node: ``(None, {})``, nothing changes.
+    """
+    if config.num_nodes == 1:
+        return None, {}
+    route = route_to(config.master_addr, config.master_port)
+    chosen = socket_ifname_env(route)
+    kept = [f"{name}={os.environ[name]} (yours)" for name in SOCKET_IFNAME_VARIABLES if name not in chosen]
+    binds = ", ".join([*(f"{name}={value}" for name, value in chosen.items()), *kept])
+    print(
+        f"accelkit: node {config.node_rank} reaches the main process at {route.target} through {route.ifname} "
+        f"({route.local_addr}); the workers bind to {binds}",
+        file=sys.stderr,
+    )
+    return route, chosen
 
 
 def _wait_for_node0(addr: str, port: int, deadline: float, config: LaunchSettings) -> None:
