@@ -4,6 +4,8 @@ a veth pair and nothing else, with the hostname resolving to the pair's address 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,14 +34,14 @@ def _launch(*argv: str) -> list[str]:
     return [sys.executable, "-m", "accelkit.cli", "launch", "--cpu", *argv]
 
 
-def _node(k: int, main: Host, rdzv: str, *extra: str) -> list[str]:
+def _node(k: int, main: Host, rdzv: str, *extra: str, flags: tuple[str, ...] = ()) -> list[str]:
     """Node ``k``'s command: `accelkit launch`, or the script's `@ak.distributed` with ``decorated``
     (whose rendezvous backend comes from the config file: see :func:`_env`)."""
     if "decorated" in extra:
         return [sys.executable, TRAIN, *extra, str(k), "2", main.addr, PORT]
     return _launch(
         "-n", "2", "--num-nodes", "2", "--node-rank", str(k), "--main-process-ip", main.addr,
-        "--main-process-port", PORT, "--rdzv-backend", rdzv, "--rdzv-timeout", "120", TRAIN, *extra,
+        "--main-process-port", PORT, "--rdzv-backend", rdzv, "--rdzv-timeout", "120", *flags, TRAIN, *extra,
     )  # fmt: skip
 
 
@@ -51,17 +53,22 @@ def _env(tmp_path: Path, rdzv: str) -> dict[str, str]:
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[tuple[int, str]]:
+    """Each process's exit code and stderr, once all ended (killed after ``timeout`` s); stdout in ``outs``."""
     deadline = time.monotonic() + timeout
     done = []
     for proc in procs:
         try:
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
+            out, err = proc.communicate()
             err += "\n<killed: the job did not end in time>"
+        outs[proc.pid] = out
         done.append((proc.returncode, err))
     return done
+
+
+outs: dict[int, str] = {}  # what each finished process printed on stdout, by pid
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +173,54 @@ def test_a_wrong_interface_or_address_fails_in_seconds_naming_the_interfaces(
     assert status == 1 and "ConfigurationError: GLOO_SOCKET_IFNAME='lo'" in err and table in err, err[-3000:]
 
 
+def _kill_node_after_a_checkpoint(node: subprocess.Popen[str], ckpt: Path, timeout: float = 180) -> None:
+    """SIGKILL every process of a node (its launcher's session) once a checkpoint was committed."""
+    deadline = time.monotonic() + timeout
+    while ak.latest_checkpoint(ckpt) is None:
+        assert node.poll() is None and time.monotonic() < deadline, "the job never saved a checkpoint"
+        time.sleep(0.1)
+    os.killpg(node.pid, signal.SIGKILL)
+    node.communicate()
+
+
+@needs_namespaces
+def test_a_lost_node_is_named_by_the_others_within_the_collective_timeout(
+    hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
+    main, other = hosts
+    ckpt = tmp_path / "ckpt"
+    nodes = [h.start(_node(k, main, "static", "steps=20", "pause=1", f"ckpt={ckpt}"), _env(tmp_path, "static"))
+             for k, h in enumerate(hosts)]  # fmt: skip
+    _kill_node_after_a_checkpoint(nodes[1], ckpt)
+    started = time.monotonic()
+    [(code, err)] = _finish(nodes[:1], timeout=120)
+    assert time.monotonic() - started < 60, "node 0 waited longer than the collective timeout"
+    assert code == 1, err[-3000:]
+    lost = f"accelkit: node 1 (ranks 2-3, host {socket.gethostname()} at {other.addr}) was lost: its launcher stopped"
+    assert lost in err, err[-3000:]
+    assert err.index(lost) < err.index("rank 0 failed") < err.index("Failures, root cause first"), err[-3000:]
+
+
+@needs_namespaces
+def test_a_node_started_again_resumes_the_job_bit_for_bit(
+    hosts: tuple[Host, Host], one_host_params: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    main, other = hosts
+    ckpt = tmp_path / "ckpt"
+    env = _env(tmp_path, "c10d")
+    argv = [_node(k, main, "c10d", "pause=1", f"ckpt={ckpt}", flags=("--max-restarts", "1")) for k in (0, 1)]
+    nodes = [h.start(a, env) for h, a in zip(hosts, argv, strict=True)]
+    _kill_node_after_a_checkpoint(nodes[1], ckpt)
+    killed_at = int(str(ak.latest_checkpoint(ckpt)).rsplit("-", 1)[1])
+    again = other.start(argv[1], env)
+    results = _finish([nodes[0], again])
+    for k, (code, err) in enumerate(results):
+        assert code == 0, f"node {k}:\n{err[-4000:]}"
+    assert killed_at < 6, "the job ended before node 1 was killed"
+    assert f"resumed from step-{killed_at:03d} at step {killed_at}" in outs[nodes[0].pid], outs[nodes[0].pid]
+    _assert_same(dict(torch.load(tmp_path / "params.pt")), one_host_params)
+
+
 # --- the interface choice, on this machine's own interfaces (no namespaces) ---------------------
 
 
@@ -186,3 +241,32 @@ def test_a_users_interface_that_cannot_carry_the_job_is_refused() -> None:
     with pytest.raises(ak.ConfigurationError, match=r"This machine has lo \(127\.0\.0\.1"):
         socket_ifname_env(route_to("127.0.0.1"), {"NCCL_SOCKET_IFNAME": "=l"})  # "=": the exact name
     assert socket_ifname_env(route_to("127.0.0.1"), {"NCCL_SOCKET_IFNAME": "l"}) == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_a_node_whose_beat_stopped_is_named_with_its_ranks_and_host() -> None:
+    import torch.distributed as dist
+
+    from accelkit.launcher._nodes import NodeBeat, lost_nodes
+    from accelkit.launcher._rendezvous import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    beats = [NodeBeat("127.0.0.1", port, "job", k, 3, "127.0.0.1") for k in range(3)]
+    beats[1].set_group_rank(2)  # c10d may place node 2 before node 1
+    beats[2].set_group_rank(1)
+    for beat in beats:
+        beat.start()
+    try:
+        time.sleep(1.5)
+        assert lost_nodes("127.0.0.1", port, "job", 3, 0) == ""
+        beats[1].stop()
+        host = socket.gethostname()
+        assert lost_nodes("127.0.0.1", port, "job", 3, 0).startswith(
+            f"node 1 (ranks 6-8, host {host} at 127.0.0.1) was lost: its launcher stopped answering"
+        )
+    finally:
+        for beat in beats:
+            beat.stop()
+    del store
+    # Node 0 held the store: without it, the others name node 0.
+    assert lost_nodes("127.0.0.1", port, "job", 3, 2).startswith("node 0, which holds the rendezvous store at")

@@ -29,7 +29,11 @@ def train() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = torch.Generator().manual_seed(1)
     dataset = TensorDataset(torch.randn(96, 4, generator=data), torch.randn(96, 1, generator=data))
-    model, opt, loader = ak.prepare(model, opt, DataLoader(dataset, batch_size=3, shuffle=True))
+    # DDP lays its gradient buckets out again after the first step, in the order the gradients came; a
+    # resumed run's first step has the first layout, and gloo sums each chunk of a bucket in another rank
+    # order: the last bits differ. find_unused_parameters=True keeps one layout: resumes are exact.
+    loader = DataLoader(dataset, batch_size=3, shuffle=True)
+    model, opt, loader = ak.prepare(model, opt, loader, find_unused_parameters=True)
     step = 0
     latest = ak.latest_checkpoint(ckpt) if ckpt else None
     if latest is not None:
