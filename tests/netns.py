@@ -109,6 +109,8 @@ def two_hosts(hostname_to: Sequence[str | None] = (None, None)) -> Iterator[tupl
         for host in hosts:
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
             shutil.rmtree(f"/etc/netns/{host.netns}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir("/etc/netns")  # when no other namespace has a file there
         _wait_gone([h.netns for h in hosts])
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +27,12 @@ PORT = "29611"  # free in a fresh namespace
 # Debian's /etc/hosts maps the hostname to 127.0.1.1: gloo binds there, where no other host can connect.
 ELSEWHERE = ("127.0.1.1", "127.0.1.1")
 
-needs_namespaces = pytest.mark.skipif(bool(why_not()), reason=str(why_not()))
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+_WHY_NOT = why_not()
+
+
+def needs_namespaces(test: Any) -> Any:
+    """Two machines of network namespaces: slow, distributed, skipped with the reason where they cannot be made."""
+    return pytest.mark.slow(pytest.mark.distributed(pytest.mark.skipif(bool(_WHY_NOT), reason=str(_WHY_NOT))(test)))
 
 
 def _launch(*argv: str) -> list[str]:
@@ -243,6 +248,7 @@ def test_a_users_interface_that_cannot_carry_the_job_is_refused() -> None:
     assert socket_ifname_env(route_to("127.0.0.1"), {"NCCL_SOCKET_IFNAME": "l"}) == {"GLOO_SOCKET_IFNAME": "lo"}
 
 
+@pytest.mark.slow
 def test_a_node_whose_beat_stopped_is_named_with_its_ranks_and_host() -> None:
     import torch.distributed as dist
 
