@@ -51,6 +51,12 @@ TEST_DEVICES = ("cpu", "cuda")
 WAIT_LOG_INTERVAL = "ACCELKIT_WAIT_LOG_INTERVAL"
 # The pid of the process that started this worker: the worker exits when it is gone.
 LAUNCHER_PID = "ACCELKIT_LAUNCHER_PID"
+# The job's attempt, the same on every node (the c10d rendezvous's round; each agent counts its own
+# restarts, and a node started again to replace a lost one counts none): read as the restart count.
+ATTEMPT = "ACCELKIT_ATTEMPT"
+# The network interfaces gloo and NCCL bind to; a multi-node launch sets those the user left unset.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 
 OPTION_VARIABLES = {
     "precision": PRECISION,
@@ -238,7 +244,7 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
         num_nodes=_or(read_int("GROUP_WORLD_SIZE", env), max(world // max(local_world, 1), 1)),
         master_addr=read_str("MASTER_ADDR", env),
         master_port=read_int("MASTER_PORT", env),
-        restart_count=read_int("TORCHELASTIC_RESTART_COUNT", env) or 0,
+        restart_count=_or(read_int(ATTEMPT, env), read_int("TORCHELASTIC_RESTART_COUNT", env) or 0),
         agent_store=read_bool("TORCHELASTIC_USE_AGENT_STORE", env) or False,
     )
 

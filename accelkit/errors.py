@@ -59,11 +59,13 @@ class WorkerError(RuntimeError):
 
     ``failures`` lists them root cause first (the earliest failure leads; a worker that
     died from SIGTERM without an error of its own was stopped, so it comes last). The other
-    workers were stopped before this was raised.
+    workers were stopped before this was raised. ``cause``, when known, leads the message: what
+    made them fail from outside (a node of the job that was lost).
     """
 
-    def __init__(self, failures: list[WorkerFailure], what: str = "workers") -> None:
+    def __init__(self, failures: list[WorkerFailure], what: str = "workers", cause: str = "") -> None:
         self.failures = sorted(failures, key=_root_cause_order)
+        self.cause = cause
         super().__init__(self._format(what))
 
     @property
@@ -87,7 +89,7 @@ class WorkerError(RuntimeError):
             lines.append(f"  - rank {f.rank} ({where}): {f.headline()}")
             if f.traceback:
                 lines.extend("      " + line for line in f.traceback.rstrip().splitlines())
-        return "\n".join(lines)
+        return "\n".join([self.cause, *lines] if self.cause else lines)
 
 
 _SIGTERM = 15  # what the agent sends the workers it stops after a failure

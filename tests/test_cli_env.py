@@ -124,6 +124,24 @@ def test_env_reports_the_config_file_and_its_warnings(tmp_path: Path, capsys: py
     assert f"4096 processes on {_sysinfo.usable_cpus()} CPU cores" in out
 
 
+def test_env_names_the_interface_a_multi_node_launch_binds_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cli(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "### Network\n- interfaces: lo (127.0.0.1" in out
+    assert "- main process: 127.0.0.1, reached through lo (127.0.0.1)\n" in out
+    assert "- GLOO_SOCKET_IFNAME: lo (set by a multi-node launch)\n" in out
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    assert cli(["env"]) == 0
+    assert "- NCCL_SOCKET_IFNAME: lo (yours)\n" in capsys.readouterr().out
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    path = write_config(tmp_path, "num_nodes: 2\nmain_process_ip: 127.0.0.2\nmain_process_port: 29500\n")
+    assert cli(["env", "--config-file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "- main process: 127.0.0.2: GLOO_SOCKET_IFNAME='eth9': 'eth9' cannot carry this job: this machine" in out
+
+
 def test_env_reports_a_broken_config_file_instead_of_failing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

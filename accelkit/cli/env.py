@@ -1,7 +1,8 @@
 """``accelkit env``: what to paste into a bug report, as a markdown list.
 
-The machine and its versions, the config file in effect, the installed experiment trackers, the
-``ACCELKIT_*`` variables that are set, and the warnings ``accelkit launch`` would print.
+The machine and its versions, the config file in effect, the network interfaces (and the one a
+multi-node launch binds to), the installed experiment trackers, the ``ACCELKIT_*`` variables that
+are set, and the warnings ``accelkit launch`` would print.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 
 from .. import _env
 from ..config import ConfigFile, config_in_effect
+from ..errors import ConfigurationError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     print("### System")
     _print_items(_sysinfo.facts())
     print("\n### Config")
-    num_processes = 1
+    num_processes, master_addr = 1, "127.0.0.1"
     try:
         config = config_in_effect(args.config_file)
     except (OSError, ValueError, ImportError) as exc:  # a broken config file is worth reporting, not a crash
@@ -44,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_items(describe_config(config))
         num_processes = config.launch.get("num_processes", 1) if config is not None else 1  # type: ignore[assignment]
+        master_addr = str(config.launch.get("master_addr", master_addr)) if config is not None else master_addr
+    print("\n### Network")
+    _print_items(describe_network(master_addr))
     print("\n### Trackers (ak.init_trackers)")
     _print_items(installed_trackers())
     print("\n### ACCELKIT_* variables")
@@ -68,6 +73,22 @@ def describe_config(config: ConfigFile | None) -> dict[str, str]:
         out.update({str(k): repr(v) if isinstance(v, str) else str(v) for k, v in values.items()})
     if config.ignored:
         out["ignored"] = ", ".join(f"{k} ({config.notes[k]})" if k in config.notes else k for k in config.ignored)
+    return out
+
+
+def describe_network(master_addr: str) -> dict[str, str]:
+    """This machine's interfaces, and the one a multi-node launch binds gloo and NCCL to."""
+    from ..launcher._netif import describe_interfaces, route_to, socket_ifname_env
+
+    out = {"interfaces": describe_interfaces()}
+    try:
+        route = route_to(master_addr)
+        chosen = socket_ifname_env(route)
+    except ConfigurationError as exc:
+        return {**out, "main process": f"{master_addr}: {exc}"}
+    out["main process"] = f"{master_addr}, reached through {route.ifname} ({route.local_addr})"
+    for name in (_env.GLOO_SOCKET_IFNAME, _env.NCCL_SOCKET_IFNAME):
+        out[name] = f"{chosen[name]} (set by a multi-node launch)" if name in chosen else f"{os.environ[name]} (yours)"
     return out
 
 

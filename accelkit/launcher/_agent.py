@@ -25,7 +25,9 @@ from .. import _env, _state
 from .._options import LaunchSettings
 from ._failures import collect_failures, record_failure
 from ._lifeline import die_with_parent
-from ._rendezvous import rendezvous_store
+from ._netif import Route, route_to
+from ._nodes import NodeBeat, lost_nodes
+from ._rendezvous import hosts_c10d_store, network_route, rendezvous_store
 from ._spec import Command, FunctionRef, Job
 from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
 
@@ -76,12 +78,16 @@ def run_workers(
     if start_method == "fork":
         flush_std_streams()  # or forked workers print what this process still buffers
     try:
-        with rendezvous_store(config) as (addr, port, run_id):
-            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir)
-            with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE"):
-                return launch_agent(launch_config, entrypoint, agent_args)
-    except ChildFailedError as exc:
-        raise collect_failures(run_dir, exc.failures) from None
+        route, network_env = network_route(config)  # a wrong address or interface fails here, in seconds
+        worker_env.update(network_env)
+        with rendezvous_store(config, route) as (addr, port, run_id), _watch_nodes(config, addr, port, run_id) as beat:
+            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat)
+            with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
+                try:
+                    return launch_agent(launch_config, entrypoint, agent_args)
+                except ChildFailedError as exc:
+                    cause = lost_nodes(addr, port, run_id, config.num_nodes, config.node_rank) if beat else ""
+                    raise collect_failures(run_dir, exc.failures, cause) from None
     except RendezvousTimeoutError:
         raise TimeoutError(
             f"node {config.node_rank}: the {config.num_nodes} nodes did not all join the {config.rdzv_backend} "
@@ -92,20 +98,58 @@ def run_workers(
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _launch_config(config: LaunchSettings, endpoint: str, run_id: str, run_dir: str) -> Any:
+@contextlib.contextmanager
+def _watch_nodes(config: LaunchSettings, addr: str, port: int, run_id: str) -> Iterator[NodeBeat | None]:
+    """A multi-node job: this node's beat in the rendezvous store, for the others to tell it is alive."""
+    if config.num_nodes == 1:
+        yield None
+        return
+    route = route_to(addr, port)
+    beat = NodeBeat(addr, port, run_id, config.node_rank, config.num_processes or 1, route.local_addr)
+    beat.start()
+    try:
+        yield beat
+    finally:
+        beat.stop()
+
+
+def _launch_config(
+    config: LaunchSettings, endpoint: str, run_id: str, run_dir: str, route: Route | None, beat: NodeBeat | None
+) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     seconds = math.ceil(config.rdzv_timeout)
     static = config.rdzv_backend == "static"
+    backend: str = config.rdzv_backend
+    rdzv_configs: dict[str, Any] = (
+        {"rank": config.node_rank, "timeout": seconds} if static else {"join_timeout": seconds}
+    )
+    if not static:
+        from ._elastic import BACKEND, ON_ROUND, register
+
+        register()  # torch's c10d rendezvous, fit for a node started again (see _elastic)
+        backend = BACKEND
+
+        def on_round(group_rank: int, attempt: int) -> None:
+            os.environ[_env.ATTEMPT] = str(attempt)  # the workers the agent starts next read it
+            if beat is not None:
+                beat.set_group_rank(group_rank)
+
+        rdzv_configs[ON_ROUND] = on_round
+        if route is not None and not route.loopback:
+            # torch guesses from the hostname whether this node hosts the store; the address says it.
+            rdzv_configs["is_host"] = hosts_c10d_store(config, route)
     return LaunchConfig(
         min_nodes=config.num_nodes,
         max_nodes=config.num_nodes,
         nproc_per_node=config.num_processes or 1,
         run_id=run_id,
-        rdzv_backend=config.rdzv_backend,
+        rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": config.node_rank, "timeout": seconds} if static else {"join_timeout": seconds},
+        rdzv_configs=rdzv_configs,
+        # The address the other nodes reach this one at (node 0's: where its workers' store listens).
+        local_addr=route.local_addr if route is not None else None,
         max_restarts=config.max_restarts,
         monitor_interval=0.05,
         start_method=config.start_method or "spawn",

@@ -73,8 +73,8 @@ def exception_name(exc: BaseException) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerError:
-    """Merge the workers' own reports with what the agent saw (exit codes, signals)."""
+def collect_failures(run_dir: str, agent_failures: dict[int, Any], cause: str = "") -> WorkerError:
+    """Merge the workers' own reports with what the agent saw (exit codes, signals); ``cause`` leads."""
     reports: dict[int, dict[str, Any]] = {}
     by_pid: dict[int, dict[str, Any]] = {}
     root = os.path.join(run_dir, "failures")
@@ -109,7 +109,7 @@ def collect_failures(run_dir: str, agent_failures: dict[int, Any]) -> WorkerErro
                 lost_peer=bool(report.get("lost_peer", False)),
             )
         )
-    return WorkerError(failures)
+    return WorkerError(failures, cause=cause)
 
 
 def report_stop(exc: BaseException) -> int:

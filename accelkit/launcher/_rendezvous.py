@@ -18,17 +18,19 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
+from ._netif import SOCKET_IFNAME_VARIABLES, Route, route_to, socket_ifname_env
 
 if TYPE_CHECKING:
     from .._options import LaunchSettings
 
 
 @contextlib.contextmanager
-def rendezvous_store(config: LaunchSettings) -> Iterator[tuple[str, int, str]]:
+def rendezvous_store(config: LaunchSettings, route: Route | None = None) -> Iterator[tuple[str, int, str]]:
     """Host or join the rendezvous store before the agent does; yields (address, port, run id).
 
-    torch's static rendezvous creates its TCPStore with ``multi_tenant=True``, so the agent
-    shares the server this process already runs on that port (kept alive until it is done).
+    torch's rendezvous creates its TCPStore with ``multi_tenant=True``, so the agent shares the
+    server this process already runs on that port (kept alive until it is done, so that this
+    launcher can still read the nodes' beats after its agent gave up).
     """
     import torch.distributed as dist
 
@@ -56,22 +58,59 @@ def rendezvous_store(config: LaunchSettings) -> Iterator[tuple[str, int, str]]:
     where = f"{addr}:{port}"
     print(f"accelkit: waiting up to {config.rdzv_timeout:g} s for {config.num_nodes} nodes at {where}", file=sys.stderr)
     if config.rdzv_backend != "static":  # torch's c10d rendezvous has its own join timeout
-        yield addr, port, run_id
+        if route is not None and hosts_c10d_store(config, route):
+            store = _host(addr, port, timeout, config)
+            yield addr, port, run_id
+            del store
+        else:
+            yield addr, port, run_id
         return
     deadline = time.monotonic() + config.rdzv_timeout
     if config.node_rank != 0:
         _wait_for_node0(addr, port, deadline, config)
+    store = _host(addr, port, timeout, config)
+    _check_in(store, config, where, run_id, deadline)
+    yield addr, port, run_id
+
+
+def hosts_c10d_store(config: LaunchSettings, route: Route) -> bool:
+    """Whether this node hosts the c10d rendezvous's store: node 0, when the address is its own."""
+    return route.own and config.node_rank == 0 and not route.loopback
+
+
+def _host(addr: str, port: int, timeout: timedelta, config: LaunchSettings) -> Any:
+    """Node 0: the store's server on ``port``; another node: a client of it."""
+    import torch.distributed as dist
+
     try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
+        return dist.TCPStore(  # type: ignore[attr-defined]
             addr, port, None, config.node_rank == 0, timeout, wait_for_workers=False, multi_tenant=True
         )
     except Exception as exc:
         raise ConfigurationError(
             f"node {config.node_rank} could not {'host' if config.node_rank == 0 else 'join'} the rendezvous at "
-            f"{where}: {exc}. Is port {port} free on node 0? Choose another master port, the same on every node."
+            f"{addr}:{port}: {exc}. Is port {port} free on node 0? Choose another master port, the same on every "
+            f"node."
         ) from None
-    _check_in(store, config, where, run_id, deadline)
-    yield addr, port, run_id
+
+
+def network_route(config: LaunchSettings) -> tuple[Route | None, dict[str, str]]:
+    """A multi-node launch: the route to the main process, and the interface variables for the workers.
+
+    Said on stderr, with the variables the user had set. One node: ``(None, {})``, nothing changes.
+    """
+    if config.num_nodes == 1:
+        return None, {}
+    route = route_to(config.master_addr, config.master_port)
+    chosen = socket_ifname_env(route)
+    kept = [f"{name}={os.environ[name]} (yours)" for name in SOCKET_IFNAME_VARIABLES if name not in chosen]
+    binds = ", ".join([*(f"{name}={value}" for name, value in chosen.items()), *kept])
+    print(
+        f"accelkit: node {config.node_rank} reaches the main process at {route.target} through {route.ifname} "
+        f"({route.local_addr}); the workers bind to {binds}",
+        file=sys.stderr,
+    )
+    return route, chosen
 
 
 def _wait_for_node0(addr: str, port: int, deadline: float, config: LaunchSettings) -> None:
