@@ -114,7 +114,8 @@ class Now(NamedTuple):
     ``op`` / ``seq``: the current or last collective; ``inside``: waiting in it now; ``since``:
     ``time.monotonic()`` when it entered (inside) or left it; ``thread``: the thread that called it;
     ``fingerprint`` and ``text``: the call, while inside (what two ranks in the same call share, and
-    the call as the tables show it).
+    the call as the tables show it); ``doing``: a step that waits for the other ranks outside the
+    collectives (a backward pass that synchronises gradients), or "".
     """
 
     op: str
@@ -124,9 +125,25 @@ class Now(NamedTuple):
     thread: int
     fingerprint: int
     text: str
+    doing: str = ""
 
 
 NOWHERE = Now("", 0, False, 0.0, 0, 0, "")
+
+
+class doing:
+    """``with _state.doing("..."):`` marks this rank's snapshot (``group.now``) for the heartbeat."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        group.now = group.now._replace(doing=self.what)
+
+    def __exit__(self, *exc: object) -> None:
+        group.now = group.now._replace(doing="")
 
 
 @dataclass
@@ -149,6 +166,7 @@ class GroupState:
     plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
     pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
     checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
+    meetings: dict[str, int] = field(default_factory=dict)  # _group.meet's count of each step's meetings
     closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
     # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
     now: Now = field(default_factory=lambda: NOWHERE)
@@ -331,7 +349,7 @@ def reset_state() -> None:
     accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
-    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
+    _close_saving()
     with _lock:
         end_trackers(failed=False)
         if _current() is not None:

@@ -8,8 +8,10 @@ from ._board import Position, describe_missing, post_report, read_positions, rea
 from ._form import adopt, destroy, destroy_before_exit, form, reform, start_upkeep, unpin
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
+from ._meet import SYNCING, meet
 
 __all__ = [
+    "SYNCING",
     "Heartbeat",
     "Position",
     "adopt",
@@ -19,6 +21,7 @@ __all__ = [
     "form",
     "handshake",
     "job_facts",
+    "meet",
     "post_report",
     "read_positions",
     "read_reports",

@@ -40,6 +40,7 @@ class Position:
     published: float  # wall-clock time of this report
     signature: str = ""  # inside: what two ranks in the same call share (operation, arguments, shapes)
     call: str = ""  # inside: the call as debug mode's tables show it
+    doing: str = ""  # a step that waits for the other ranks outside the collectives (a synchronising backward)
 
     @property
     def label(self) -> str:
@@ -54,7 +55,8 @@ class Position:
             state = f"at {self.label} (left it {_seconds(now - self.since)} ago)"
         stale = now - self.published
         heard = f"; last heard from {_seconds(stale)} ago" if stale > 10 else ""
-        return f"{state}, running {self.where}{heard}"
+        doing = f", in {self.doing}" if self.doing else ""
+        return f"{state}{doing}, running {self.where}{heard}"
 
 
 def publish(store: Any, prefix: str, position: Position) -> None:

@@ -11,6 +11,7 @@ naming the ranks that have not arrived and where they are.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ from ._board import Position, describe_missing, find_conflict, publish, read_pos
 __all__ = ["Heartbeat", "wait_log_interval"]
 
 DEFAULT_INTERVAL = 30.0
+_TORCH = f"{os.sep}torch{os.sep}"  # the user's line is the one below torch's own frames
 
 
 def wait_log_interval() -> float:
@@ -72,12 +74,12 @@ class Heartbeat(threading.Thread):
         op, seq, inside = now.op, now.seq, now.inside
         signature = f"{now.fingerprint:016x}" if inside else ""
         where = self._where(now.thread or threading.main_thread().ident or 0)
-        state = (op, seq, inside, where, signature)
+        state = (op, seq, inside, where, signature, now.doing)
         wall, mono = time.time(), time.monotonic()
         if state != self._last:
             since = wall - (mono - now.since) if now.since else wall
             publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, wall, signature,
-                                                      now.text if inside else ""))  # fmt: skip
+                                                      now.text if inside else "", now.doing))  # fmt: skip
             self._last = state
             self._reported = 0
             self._next_read = 2 * self.period
@@ -110,8 +112,10 @@ class Heartbeat(threading.Thread):
     @staticmethod
     def _where(thread: int) -> str:
         frame = sys._current_frames().get(thread) if thread else None
-        while frame is not None and _frames.is_ours(frame.f_code.co_filename):
+        inner = frame
+        while frame is not None and (_frames.is_ours(frame.f_code.co_filename) or _TORCH in frame.f_code.co_filename):
             frame = frame.f_back
+        frame = frame or inner  # all of it torch's (a script run by torch itself): the innermost line
         if frame is None:
             return "<not in Python code>"
         return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

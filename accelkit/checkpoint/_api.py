@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from .. import _state
+from .. import _group, _state
 from ..errors import CheckpointError
 from . import _async, _full, _load, _manifest, _objects, _rank_state, _save
 from ._agree import Agreement
@@ -78,6 +78,7 @@ def save_state(
         if not isinstance(flag, bool):
             raise TypeError(f"{call}: {name}={flag!r}; expected True or False")
     _async.finish_saving(call)
+    _meet("save_state")
     contents = _objects.collect(call, objects, full_state)
     job = _save.begin(call, directory, keep_last, contents)
     if not blocking:
@@ -191,6 +192,15 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelkit.full_state_dict(model={type(model).__qualname__}): expected a torch.nn.Module")
     return _full.full_state_dict(_objects.unwrapped(model))
+
+
+def _meet(name: str) -> None:
+    """Every rank reaches this collective step, or every rank that did raises (see ``_group.meet``)."""
+    st, group = _state.get(), _state.group
+    if not st.distributed or group.store is None:
+        return
+    group.meetings[name] = number = group.meetings.get(name, 0) + 1
+    _group.meet(group.store, group.board, name, number, st.rank, st.world_size, st.options.timeout, _group.SYNCING)
 
 
 def _is_module(obj: Any) -> bool:

@@ -161,6 +161,8 @@ def reduced(buf: torch.Tensor, op: str, world: int, like: torch.Tensor) -> torch
     """A reduced ``buf`` as the result for ``like``: the mean divided, back in ``like``'s dtype and shape."""
     if op == "mean":
         buf = buf.div_(world)
+    elif buf.dtype == torch.bool:  # gloo's sum leaves the count in each byte: proper booleans (0 or 1)
+        buf = buf.view(torch.uint8).clamp_(max=1).view(torch.bool)
     if buf.dtype != like.dtype:
         buf = buf.to(like.dtype)
     return buf.view(like.shape)

@@ -13,7 +13,7 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch import nn
 
-from .. import _frames, _state
+from .. import _frames, _group, _state
 from ._precision import MixedPrecisionModule
 
 __all__ = [
@@ -38,9 +38,15 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         tensor([3., 3.])
     """
     training = _state.training
-    _state.strategy().backward(
-        loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=training.sync_gradients, **kwargs
-    )
+    strategy = _state.strategy()
+    if not training.sync_gradients or _state.group.heartbeat is None:
+        strategy.backward(
+            loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=training.sync_gradients,
+            **kwargs,
+        )  # fmt: skip
+        return
+    with _state.doing(_group.SYNCING):  # other ranks that wait for this one can tell where it is (_group.meet)
+        strategy.backward(loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=True, **kwargs)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,63 @@
+"""A meeting before a collective step that a script may call on one rank only (``save_state``).
+
+``if ak.is_main_process(): ak.save_state(...)`` is a habit from single-process code. The main rank
+then waits in the save's first collective while the others go on to the next step, whose backward
+pass waits for it in DDP's own all-reduce: a hang until the collective timeout, or, when the two
+backend calls differ in size, an abort inside gloo. So before its first collective a collective
+step meets through the job's store: each rank adds itself to a count, and while the others are
+missing it reads their positions (the heartbeat's); a missing rank that waits in a synchronising
+backward pass will never come, and every rank that got here raises, naming it and where it is.
+A rank that is merely slow is waited for (up to the collective timeout).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..errors import DistributedOperationError
+from ._board import Position, read_positions
+
+__all__ = ["SYNCING", "meet"]
+
+SYNCING = "a forward or backward pass that waits for the other processes"  # published meanwhile
+
+_POLL = 0.05  # seconds between two reads of the count, at first; doubling to 1 s
+
+
+def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, timeout: float,
+         doing: str) -> None:  # fmt: skip
+    """Wait until every rank reached the ``number``-th ``name`` of this group; raise when one never will.
+
+    ``doing`` is what a rank publishes while it waits for the others outside the collectives (see
+    ``_state.doing``): a missing rank found doing it cannot reach this step.
+    """
+    key = f"{board}/meet/{name}/{number}"
+    store.set(f"{key}/{rank}", "1")
+    if store.add(key, 1) >= world:
+        return
+    deadline, pause = time.monotonic() + timeout, _POLL
+    while time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(1.0, 2 * pause)
+        if store.add(key, 0) >= world:
+            return
+        missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
+        stuck = {r: p for r, p in read_positions(store, board, world).items() if r in missing and p.doing == doing}
+        if stuck:
+            raise DistributedOperationError(_message(name, rank, stuck))
+    # Out of time: the step's own collective names who is missing, as any collective does.
+
+
+def _message(name: str, rank: int, stuck: dict[int, Position]) -> str:
+    now = time.time()
+    lines = [
+        f"accelkit.{name} on process {rank}: every process must call {name} (it is collective), but "
+        f"process{'es' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} went on without it:"
+    ]
+    lines += [f"  - process {r}: {p.describe(now)}" for r, p in sorted(stuck.items())]
+    lines.append(
+        f"Fix: call ak.{name}(...) on every process, not under `if ak.is_main_process():` (only the main "
+        f"process writes the files that every process shares)."
+    )
+    return "\n".join(lines)
