@@ -164,6 +164,7 @@ class GroupState:
     seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
     key: int = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
     plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
+    direct: Any = None  # the default group's backend and its options, called directly (collectives/_exchange)
     pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
     checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
     meetings: dict[str, int] = field(default_factory=dict)  # _group.meet's count of each step's meetings
@@ -176,7 +177,7 @@ class GroupState:
 
     def restart_collectives(self) -> None:
         """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
-        self.seq, self.key, self.plans, self.pending = 0, 0, {}, None
+        self.seq, self.key, self.plans, self.pending, self.direct = 0, 0, {}, None, None
 
 
 @dataclass

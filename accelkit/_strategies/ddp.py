@@ -7,7 +7,6 @@ from typing import Any
 
 from torch import nn
 
-from .. import _group, _state
 from .comm_hooks import CommHook
 from .single import SingleProcess
 
@@ -27,10 +26,6 @@ class DDP(SingleProcess):
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
         if hook is not None:
             hook.register(ddp)
-        # DDP's forward may wait for the other ranks too (rebuilt buckets, buffers): published like a
-        # synchronising backward, so that a rank left waiting for this one can tell (see _group.meet).
-        ddp.register_forward_pre_hook(_syncing)
-        ddp.register_forward_hook(_synced, always_call=True)
         return ddp
 
     def release(self, model: nn.Module) -> None:
@@ -41,11 +36,3 @@ class DDP(SingleProcess):
             for name in ("reducer", "logger", "process_group"):
                 if name in vars(ddp):
                     setattr(ddp, name, None)
-
-
-def _syncing(module: nn.Module, args: Any) -> None:
-    _state.group.now = _state.group.now._replace(doing=_group.SYNCING)
-
-
-def _synced(module: nn.Module, args: Any, output: Any) -> None:
-    _state.group.now = _state.group.now._replace(doing="")

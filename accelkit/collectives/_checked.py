@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import _state, _tree
 from .._state import ProcessState
@@ -255,7 +254,7 @@ def _checked_now(st: ProcessState, call: Call) -> bool:
 
 def _start_check(st: ProcessState, call: Call) -> tuple[Any, torch.Tensor]:
     check = _check.check_tensor(call.token, st.device)
-    return _exchange.start(dist.all_reduce, check, dist.ReduceOp.SUM), check
+    return _exchange.start_all_reduce(check, "sum"), check
 
 
 def _end_check(st: ProcessState, work: Any, check: torch.Tensor) -> Any:

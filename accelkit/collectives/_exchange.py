@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _state
+
 _BYTE = torch.uint8
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 # Dtypes that gloo and nccl cannot reduce, and the dtype they are reduced in (torch lacks some ops too).
@@ -27,7 +29,6 @@ _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
 _SLOT = 1024  # bytes of the first message of an object exchange: 8 of length, then data
-_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommunicationError(Exception):
@@ -58,29 +59,72 @@ def _wait(work: Any) -> None:
         work.wait()
 
 
+class _Direct:
+    """The default group's backend, called directly: what ``torch.distributed``'s functions call, without
+    their per-call checks and options (a few µs, as much as a small collective's whole check costs)."""
+
+    def __init__(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        self.pg = c10d._get_default_group()
+        self.reduce = {name: _options(c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
+        self.gather = _options(c10d.AllgatherOptions)  # type: ignore[attr-defined]
+        self.gather_single = getattr(self.pg, "all_gather_single", None) or getattr(self.pg, "_allgather_base", None)
+        self.roots: dict[int, Any] = {}
+
+    def root(self, src: int) -> Any:
+        opts = self.roots.get(src)
+        if opts is None:
+            opts = self.roots[src] = _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
+        return opts
+
+
+def _options(kind: Any, **values: Any) -> Any:
+    opts = kind()
+    for name, value in values.items():
+        setattr(opts, name, value)
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return opts
+
+
+def _direct() -> _Direct:
+    group = _state.group
+    if group.direct is None:
+        group.direct = _Direct()
+    return group.direct  # type: ignore[no-any-return]
+
+
+def _run(start: Any, *args: Any) -> None:
+    try:
+        _wait(start(*args))
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        raise CommunicationError(exc) from exc
+
+
 def broadcast_tensor(x: torch.Tensor, src: int) -> None:
-    _call(dist.broadcast, x, src)
+    """Broadcast ``x`` in place from ``src`` (a global rank: the default group's)."""
+    d = _direct()
+    _run(d.pg.broadcast, [torch.view_as_real(x) if x.is_complex() else x], d.root(src))
 
 
 def all_reduce(x: torch.Tensor, op: str) -> None:
     """Reduce ``x`` in place over the ranks with ``op`` ("sum", "max", "min" or "product")."""
-    _call(dist.all_reduce, x, _OPS[op])
+    d = _direct()
+    _run(d.pg.allreduce, [torch.view_as_real(x) if x.is_complex() else x], d.reduce[op])
 
 
 def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order."""
-    global _gather_single
-    if _gather_single is not None:
-        try:
-            _wait(_gather_single(out, x, async_op=True))
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as exc:  # gloo before torch 2.6 lacks the single-tensor form: not tried again
-            if "_allgather_base" not in str(exc):
-                raise CommunicationError(exc) from exc
-            _gather_single = None
-    _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
+    d = _direct()
+    if x.is_complex():
+        out, x = torch.view_as_real(out), torch.view_as_real(x)
+    if d.gather_single is not None:
+        _run(d.gather_single, out, x, d.gather)
+    else:  # a backend without the single-tensor form
+        _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +196,7 @@ def reduce(leaves: list[torch.Tensor], op: str, world: int) -> list[torch.Tensor
         wide = WIDER.get(x.dtype)
         buf = own(x) if wide is None else flat(x).to(wide)
         if buf.numel():
-            _call(dist.all_reduce, buf, _wire(op, x.dtype))
+            all_reduce(buf, "sum" if op == "mean" else op)
         out.append(reduced(buf, op, world, x))
     return out
 
@@ -166,11 +210,6 @@ def reduced(buf: torch.Tensor, op: str, world: int, like: torch.Tensor) -> torch
     if buf.dtype != like.dtype:
         buf = buf.to(like.dtype)
     return buf.view(like.shape)
-
-
-def _wire(op: str, dtype: torch.dtype) -> Any:
-    """The backend's reduction for ``op`` (a mean is a sum, divided afterwards: gloo cannot average)."""
-    return _OPS["sum" if op == "mean" else op]
 
 
 def pad(
@@ -257,10 +296,11 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
-def start(fn: Any, *args: Any) -> Any:
-    """Begin ``fn`` (a torch.distributed collective) without waiting; :func:`wait` waits for it."""
+def start_all_reduce(x: torch.Tensor, op: str) -> Any:
+    """Begin reducing ``x`` in place without waiting; :func:`wait` waits for it."""
+    d = _direct()
     try:
-        return fn(*args, async_op=True)
+        return d.pg.allreduce([x], d.reduce[op])
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:

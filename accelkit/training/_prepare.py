@@ -12,6 +12,7 @@ from .._strategies import comm_hooks
 from ..data import PreparedDataLoader, prepare_dataloader
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import MixedPrecisionModule
+from ._step import mark_waits
 
 __all__ = ["prepare"]
 
@@ -103,6 +104,9 @@ def prepare(*objects: Any, **options: Any) -> Any:
     )
     if join:
         _join(wrapped_models, [prepared[i] for i in slots["loader"]])
+    if st.distributed:
+        for model in wrapped_models:
+            mark_waits(model)
     for i, model in zip(slots["model"], wrapped_models, strict=True):
         if st.options.precision != "no":  # outermost: DDP, FSDP and DeepSpeed see the user's module
             model = MixedPrecisionModule(model, st.options.precision, st.device.type)

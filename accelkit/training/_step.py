@@ -49,6 +49,23 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         strategy.backward(loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=True, **kwargs)
 
 
+def mark_waits(model: nn.Module) -> None:
+    """Publish, while ``model``'s forward runs, that it may wait for the other ranks (DDP rebuilds its
+    buckets and broadcasts buffers there; FSDP gathers parameters): a rank left waiting for this one
+    can tell where it is (see ``_group.meet``)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "reshard"):
+        model.register_forward_pre_hook(_waiting)
+        model.register_forward_hook(_done_waiting, always_call=True)
+
+
+def _waiting(module: nn.Module, args: Any) -> None:
+    _state.group.now = _state.group.now._replace(doing=_group.SYNCING)
+
+
+def _done_waiting(module: nn.Module, args: Any, output: Any) -> None:
+    _state.group.now = _state.group.now._replace(doing="")
+
+
 @contextlib.contextmanager
 def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
     """One micro-step of gradient accumulation over ``steps`` micro-steps.
