@@ -67,8 +67,11 @@ def bits_agree_on_device(values: torch.Tensor, world: int, with_complements: boo
 
 
 def header_tensor(header: bytes, device: torch.device) -> torch.Tensor:
-    """A header as a uint8 tensor of its own (``header`` is copied)."""
-    return torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    """A header as a uint8 tensor of its own (``header`` is copied; to an accelerator without waiting for it)."""
+    host = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def headers_agree(tails: torch.Tensor, mine: torch.Tensor) -> bool:
