@@ -257,7 +257,7 @@ def test_a_node_whose_beat_stopped_is_named_with_its_ranks_and_host() -> None:
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-    beats = [NodeBeat("127.0.0.1", port, "job", k, 3, "127.0.0.1") for k in range(3)]
+    beats = [NodeBeat("127.0.0.1", port, "job", k, 3, 3, "127.0.0.1") for k in range(3)]
     beats[1].set_group_rank(2)  # c10d may place node 2 before node 1
     beats[2].set_group_rank(1)
     for beat in beats:

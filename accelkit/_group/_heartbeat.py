@@ -2,11 +2,11 @@
 
 The collectives themselves only replace ``_state.group.now``, an immutable snapshot (operation,
 number, entry time, the call's fingerprint and text): nothing on their hot path touches the store,
-and this thread never reads a live call or tensor. Every ``period`` seconds it reads the snapshot
-and, when it changed, publishes it with the user's line the rank is running
-now. While the rank has been waiting in one collective for ``interval`` seconds (30 by default,
-``ACCELKIT_WAIT_LOG_INTERVAL``; 0 turns it off), it prints one line every ``interval`` seconds
-naming the ranks that have not arrived and where they are.
+and this thread never reads a live call or tensor. Every ``period`` seconds (1, longer beyond 256
+ranks: :func:`heartbeat_period`) it reads the snapshot and, when it changed, publishes it with the
+user's line the rank is running now. While the rank has been waiting in one collective for
+``interval`` seconds (30 by default, ``ACCELKIT_WAIT_LOG_INTERVAL``; 0 turns it off), it prints one
+line every ``interval`` seconds naming the ranks that have not arrived and where they are.
 """
 
 from __future__ import annotations
@@ -20,10 +20,24 @@ from typing import Any
 from .. import _env, _frames
 from ._board import Position, describe_missing, find_conflict, publish, read_positions
 
-__all__ = ["Heartbeat", "wait_log_interval"]
+__all__ = ["Heartbeat", "heartbeat_period", "wait_log_interval"]
 
 DEFAULT_INTERVAL = 30.0
 _TORCH = f"{os.sep}torch{os.sep}"  # the user's line is the one below torch's own frames
+# The positions the heartbeats of a whole job may write to its store each second: beyond 256 ranks
+# each one publishes less often (1024 ranks: every 4 s), so the store's load stays bounded.
+STORE_WRITES_PER_S = 256.0
+
+
+def heartbeat_period(world: int, interval: float) -> float:
+    """Seconds between two beats of each rank: 1 (less when ``interval`` is shorter), more in a large job.
+
+    Example:
+        >>> heartbeat_period(8, 30.0), heartbeat_period(1024, 30.0)
+        (1.0, 4.0)
+    """
+    fresh = min(1.0, interval / 2) if interval > 0 else 1.0  # fresh enough that a timeout names the right ranks
+    return max(fresh, world / STORE_WRITES_PER_S)
 
 
 def wait_log_interval() -> float:
@@ -42,8 +56,7 @@ class Heartbeat(threading.Thread):
         super().__init__(name=f"accelkit-heartbeat-rank{rank}", daemon=True)
         self.store, self.prefix, self.rank, self.world, self.group = store, prefix, rank, world, group
         self.interval = interval
-        # Fresh enough that a timeout names the right ranks; rare enough to cost nothing.
-        self.period = min(1.0, interval / 2) if interval > 0 else 1.0
+        self.period = heartbeat_period(world, interval)
         self._stopped = threading.Event()
         self._last: tuple[Any, ...] = ()
         self._reported = 0  # "still waiting" lines printed for the current wait

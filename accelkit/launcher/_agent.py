@@ -105,7 +105,7 @@ def _watch_nodes(config: LaunchSettings, addr: str, port: int, run_id: str) -> I
         yield None
         return
     route = route_to(addr, port)
-    beat = NodeBeat(addr, port, run_id, config.node_rank, config.num_processes or 1, route.local_addr)
+    beat = NodeBeat(addr, port, run_id, config.node_rank, config.num_nodes, config.num_processes or 1, route.local_addr)
     beat.start()
     try:
         yield beat

@@ -3,9 +3,10 @@
 When a node dies (killed, its machine or network gone), the others' workers fail with
 "Connection closed by peer" or time out, which names neither the node nor its ranks. Every
 launcher of a multi-node job therefore writes a small record to the rendezvous store twice a
-second: its node rank, host, address, group rank and number of processes, and a beat count.
-After its workers failed, a launcher reads the records twice, a few beats apart: a node whose
-count stood still is lost, and the failure names it first, with its ranks and host.
+second (less often beyond 32 nodes: :func:`node_beat_period`): its node rank, host, address,
+group rank and number of processes, and a beat count. After its workers failed, a launcher reads
+the records twice, a few beats apart: a node whose count stood still is lost, and the failure
+names it first, with its ranks and host.
 """
 
 from __future__ import annotations
@@ -17,10 +18,21 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["NodeBeat", "lost_nodes"]
+__all__ = ["NodeBeat", "lost_nodes", "node_beat_period"]
 
-PERIOD = 0.5  # seconds between two beats: 2 store writes a second per node
+PERIOD = 0.5  # seconds between two beats: 2 store writes a second per node, up to 32 nodes
+STORE_WRITES_PER_S = 64.0  # the records all nodes may write each second: beyond it, each beats less often
 _STILL = 4  # beats without a change before a node counts as lost
+
+
+def node_beat_period(num_nodes: int) -> float:
+    """Seconds between two beats of each node of a ``num_nodes`` job.
+
+    Example:
+        >>> node_beat_period(2), node_beat_period(128)
+        (0.5, 2.0)
+    """
+    return max(PERIOD, num_nodes / STORE_WRITES_PER_S)
 
 
 def _key(run_id: str, node_rank: int) -> str:
@@ -28,11 +40,14 @@ def _key(run_id: str, node_rank: int) -> str:
 
 
 class NodeBeat(threading.Thread):
-    """Writes this node's record to the store at ``addr:port`` every :data:`PERIOD` s until :meth:`stop`."""
+    """Writes this node's record to the store at ``addr:port`` every ``period`` s until :meth:`stop`."""
 
-    def __init__(self, addr: str, port: int, run_id: str, node_rank: int, nprocs: int, local_addr: str) -> None:
+    def __init__(
+        self, addr: str, port: int, run_id: str, node_rank: int, num_nodes: int, nprocs: int, local_addr: str
+    ) -> None:
         super().__init__(name=f"accelkit-node{node_rank}-beat", daemon=True)
         self.addr, self.port, self.key = addr, port, _key(run_id, node_rank)
+        self.period = node_beat_period(num_nodes)
         self.record: dict[str, Any] = {
             "node_rank": node_rank, "group_rank": node_rank, "nprocs": nprocs,
             "host": socket.gethostname(), "addr": local_addr, "beat": 0,
@@ -49,7 +64,7 @@ class NodeBeat(threading.Thread):
 
     def run(self) -> None:
         store = None
-        while not self._stopped.wait(PERIOD):
+        while not self._stopped.wait(self.period):
             try:
                 store = store or _client(self.addr, self.port)
                 self.record["beat"] += 1
@@ -64,7 +79,7 @@ def lost_nodes(addr: str, port: int, run_id: str, num_nodes: int, node_rank: int
         store = _client(addr, port)
         keys = [_key(run_id, k) for k in range(num_nodes)]
         before = _records(store, keys)
-        time.sleep(_STILL * PERIOD)
+        time.sleep(_STILL * node_beat_period(num_nodes))
         after = _records(store, keys)
     except Exception:
         if node_rank == 0:
