@@ -97,28 +97,34 @@ def _gate(port: int) -> None:
 
 
 def _worker(rank: int, world: int, gate: int, ports: list[int], seconds: float) -> dict[str, Any]:
-    """One rank: the group formed step by step, then by ``ak.init``; its heartbeat's store operations."""
+    """One rank: the group formed step by step on each port but the last, then by ``ak.init`` on the last.
+
+    Returns each step's seconds, the store operations they made, and those of the heartbeat.
+    """
     import accelkit as ak
     from accelkit import _state
     from accelkit._group import handshake, job_facts
     from accelkit._options import Options
 
     _gate(gate)
-    t0 = time.perf_counter()
-    store = dist.TCPStore("127.0.0.1", ports[0], world, rank == 0, timedelta(seconds=120))  # type: ignore[attr-defined]
-    t1 = time.perf_counter()
-    mesh, fds = Counting(store), len(os.listdir("/proc/self/fd"))
-    dist.init_process_group("gloo", store=dist.PrefixStore("mesh", mesh), rank=rank, world_size=world)  # type: ignore[attr-defined]
-    t2 = time.perf_counter()
-    fds = len(os.listdir("/proc/self/fd")) - fds  # gloo's sockets: one per pair of ranks
-    shake = Counting(store)
-    handshake(dist.PrefixStore("handshake", shake), rank, world, job_facts(Options(), world))  # type: ignore[attr-defined]
-    t3 = time.perf_counter()
-    dist.barrier()
-    dist.destroy_process_group()
+    steps: list[list[float]] = []  # per formation: store, gloo, handshake seconds
+    for port in ports[:-1]:
+        t0 = time.perf_counter()
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=120))  # type: ignore[attr-defined]
+        t1 = time.perf_counter()
+        mesh, fds = Counting(store), len(os.listdir("/proc/self/fd"))
+        dist.init_process_group("gloo", store=dist.PrefixStore("mesh", mesh), rank=rank, world_size=world)  # type: ignore[attr-defined]
+        t2 = time.perf_counter()
+        fds = len(os.listdir("/proc/self/fd")) - fds  # gloo's sockets: one per pair of ranks
+        shake = Counting(store)
+        handshake(dist.PrefixStore("handshake", shake), rank, world, job_facts(Options(), world))  # type: ignore[attr-defined]
+        steps.append([t1 - t0, t2 - t1, time.perf_counter() - t2])
+        dist.barrier()  # the next formation starts together (and rank 0's store outlives every client's use)
+        dist.destroy_process_group()
+        del store
     # The real thing: accelkit forms its own group (store, gloo, handshake) and starts the heartbeat.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1]))  # fmt: skip
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[-1]))  # fmt: skip
     t4 = time.perf_counter()
     ak.init(cpu=True)
     ak.wait_for_everyone()
@@ -139,7 +145,7 @@ def _worker(rank: int, world: int, gate: int, ports: list[int], seconds: float) 
         time.sleep(LATE_S)
     ak.wait_for_everyone()
     return {
-        "rendezvous": t1 - t0, "mesh": t2 - t1, "handshake": t3 - t2, "init": t5 - t4, "period": period,
+        "steps": steps, "init": t5 - t4, "period": period,
         "fds": fds, "mesh_ops": mesh.total(), "handshake_ops": shake.total(), "elapsed": elapsed,
         "running": dict(running.ops), "waiting": dict(waiting.ops),
     }  # fmt: skip
@@ -231,13 +237,17 @@ def _row(name: str, value: float | None, unit: str, n: int = 1, reference: float
 
 def measure(quick: bool) -> dict[str, Any]:
     """Every measurement, by world size; the inputs of :func:`run`'s rows and the README's table."""
-    sizes, seconds = ((2, 4), 3.0) if quick else ((2, 4, 8), 6.0)
+    sizes, seconds, repeats = ((2, 4), 3.0, 1) if quick else ((2, 4, 8), 6.0, 5)
     found: dict[str, Any] = {"sizes": {}, "capacity": {}}
     for world in sizes:
-        ranks = _spawn("--worker", [str(world), str(free_port()), str(free_port()), str(seconds)], world)
+        ports = ",".join(str(free_port()) for _ in range(repeats + 1))
+        ranks = _spawn("--worker", [str(world), ports, str(seconds)], world)
         waiting = [r["waiting"] for r in ranks[1:]]
+        # Each step of a formation takes as long as its slowest rank; the median over the repeats.
+        steps = [[max(r["steps"][k][j] for r in ranks) for k in range(repeats)] for j in range(3)]
         found["sizes"][world] = {
-            **{k: max(r[k] for r in ranks) for k in ("rendezvous", "mesh", "handshake", "init", "period")},
+            **dict(zip(("rendezvous", "mesh", "handshake"), map(statistics.median, steps), strict=True)),
+            **{k: max(r[k] for r in ranks) for k in ("init", "period")},
             "form_ops": sum(r["mesh_ops"] + r["handshake_ops"] for r in ranks),
             "fds": max(r["fds"] for r in ranks),
             "handshake_ops": sum(r["handshake_ops"] for r in ranks),
@@ -291,13 +301,13 @@ def run(quick: bool) -> list[Row]:
     rows += [
         _row(f"{WORLD} ranks: store ops to form the group (gloo + handshake)", form, "ops"),
         _row(f"{WORLD} ranks: ... store time at the measured get rate", form / gets, "s"),
-        _row(f"{WORLD} ranks: ... sockets each rank opens (gloo)", WORLD - 1, "fds"),
+        _row(f"{WORLD} ranks: ... sockets each rank opens", WORLD - largest + m["sizes"][largest]["fds"], "fds"),
         _row(f"{WORLD} ranks: heartbeat + node records, writes/s (ref: fixed)", after, "ops/s", reference=before),
         _row(f"{WORLD} ranks: ... share of the store's write rate (ref: fixed)", after / writes, "x",
              reference=before / writes),
-        _row(f"{WORLD} ranks: all wait for one: keys read per round", WORLD * WORLD, "keys"),
-        _row(f"{WORLD} ranks: ... store time per round", WORLD * read["seconds"], "s"),
-        _row(f"{WORLD} ranks: ... bytes the store sends per round", WORLD * read["bytes"] / 1e6, "MB"),
+        _row(f"{WORLD} ranks: all wait for one: keys read per round", (WORLD - 1) * WORLD, "keys"),
+        _row(f"{WORLD} ranks: ... store time per round", (WORLD - 1) * read["seconds"], "s"),
+        _row(f"{WORLD} ranks: ... bytes the store sends per round", (WORLD - 1) * read["bytes"] / 1e6, "MB"),
         _row("checked collective: see the README's Performance section (--only collectives)", None, ""),
     ]  # fmt: skip
     return rows
@@ -311,8 +321,8 @@ def main(argv: list[str]) -> int:
         print_table(run(bool(argv)))
         return 0
     mode, gate, *args, index, out = argv
-    if mode == "--worker":  # WORLD PORT PORT SECONDS
-        result = _worker(int(index), int(args[0]), int(gate), [int(args[1]), int(args[2])], float(args[3]))
+    if mode == "--worker":  # WORLD PORT,PORT,... SECONDS
+        result = _worker(int(index), int(args[0]), int(gate), [int(p) for p in args[1].split(",")], float(args[2]))
     elif mode == "--client":  # PORT SECONDS OP
         result = _client(int(args[0]), int(gate), int(index), float(args[1]), args[2])
     else:  # --reader PORT KEYS REPEATS
