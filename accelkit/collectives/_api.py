@@ -118,7 +118,8 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
     call.shapes, call.data = [(x.dtype, x.shape) for x in leaves], [lengths.to(st.device)]
     everyone = _run(st, call, _checked.Gather(), _exchange.gather, call.data, st.world_size)[0]
     sizes = everyone.view(st.world_size, -1).amax(0).tolist() if padded else []
-    grown = dict(zip(padded, _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first), strict=True))
+    padded_leaves = _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first)
+    grown = dict(zip(padded, padded_leaves, strict=True))
     out = [grown[i] if i in grown else _exchange.own(x) for i, x in enumerate(leaves)]
     return _tree.unflatten(call.spec, out)  # type: ignore[arg-type, no-any-return]
 
