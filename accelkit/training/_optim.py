@@ -26,7 +26,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     ``step()`` and ``zero_grad()`` do nothing on gradient-accumulation micro-steps;
     ``step()`` is skipped (``step_was_skipped``) when fp16 gradients overflowed.
-    Everything else (``param_groups``, ``state``, ``state_dict``) is the wrapped optimizer's.
+    Everything else (``param_groups``, ``state``, ``state_dict``, and any attribute or method this
+    wrapper does not define, such as a schedule-free optimizer's ``train()`` / ``eval()``) is the
+    wrapped optimizer's, ``self.optimizer``. It is a ``torch.optim.Optimizer``, not an instance of
+    the wrapped optimizer's class: test ``isinstance(opt.optimizer, MyOptimizer)``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no super().__init__: a view
@@ -112,6 +115,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._apply_pending()
         self.optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found on the wrapper: the wrapped optimizer's (optimizer.train(), ...).
+        # Also what Optimizer's own methods read (register_step_pre_hook's hook dicts): the hooks
+        # then go on the wrapped optimizer, and run when it really steps.
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:  # still being built or unpickled
+            raise AttributeError(f"'PreparedOptimizer' object has no attribute {name!r}")
+        return getattr(optimizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Not Optimizer's: it would drop the wrapped optimizer, and its __setstate__ patches this class's step().
+        self._apply_pending()
+        return {"optimizer": self.optimizer, "_skipped": self.step_was_skipped, "_pending": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"
