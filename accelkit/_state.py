@@ -86,6 +86,9 @@ class TrainingState:
       ``accumulating``: how many ``ak.accumulate`` regions are open (0 outside).
     - ``backward_calls``: ``ak.backward`` calls so far (a region compares it at entry and exit).
     - ``warned``: the training warnings given once (again after a reset: a new run).
+    - ``strategy``: the current state's strategy, kept here for the step path (an attribute read,
+      where ``strategy()`` is a call); None until a state exists. Set with the state, and a new
+      ``TrainingState`` comes with every new state (``reset_state``, a fork).
     - ``scaler``: the fp16 ``GradScaler``, created when an optimizer is prepared under fp16.
     - ``optimizers``: the prepared optimizers; ``unscaled``: whether their gradients were
       already unscaled this step (``clip_grad_norm_`` unscales once per step). Weak: an
@@ -104,6 +107,7 @@ class TrainingState:
     accumulating: int = 0
     backward_calls: int = 0
     warned: set[str] = field(default_factory=set)
+    strategy: Strategy | None = None
     scaler: Any = None
     optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     unscaled: bool = False
@@ -316,6 +320,7 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
     _state = replace(
         st, options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
     )
+    training.strategy = strategy
     return _state
 
 
@@ -357,6 +362,8 @@ def new_task() -> None:
                 origins={},
                 strategy=select_strategy(resolved.options, st.world_size, st.device),
             )
+        if _state is not None:
+            training.strategy = _state.strategy
 
 
 def start_tracking(is_main: bool, trackers: dict[str, Any], directory: str) -> TrackingState:
@@ -471,6 +478,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
             _destroy_group()
             raise
     _state, _owns_group, _origin = st, owns, origin
+    training.strategy = st.strategy
     _register_fork_hook()
     if st.distributed:
         _register_exit_hook()

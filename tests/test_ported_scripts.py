@@ -131,6 +131,22 @@ def test_the_state_pickles_and_unpickles_equal_after_prepare(pool: WorkerPool) -
         assert equal and f"rank={rank}" in text and strategy == "ddp"
 
 
+def test_prepared_objects_follow_a_new_state_after_reset() -> None:
+    # The step path keeps the strategy with the training state: a reset and a new init replace both.
+    model = nn.Linear(2, 1)
+    opt = ak.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    ak.reset_state()
+    ak.init(gradient_accumulation_steps=2)
+    before = model.weight.detach().clone()
+    for expect_change in (False, True):
+        with ak.accumulate(model):
+            ak.backward(model(torch.ones(1, 2)).sum())
+            opt.step()
+            opt.zero_grad()
+        assert (not torch.equal(before, model.weight)) is expect_change
+    assert pickle.loads(pickle.dumps(ak.state())) == ak.state()
+
+
 # --- reusable precision objects (nanoGPT's ctx) -------------------------------------------------
 
 

@@ -66,7 +66,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._pending:
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
-        strategy = _state.strategy()
+        strategy = training.strategy or _state.strategy()
         loss, skipped = strategy.optimizer_step(
             self.optimizer, training.scaler, closure, boundary=training.sync_gradients
         )
@@ -76,7 +76,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        _state.strategy().zero_grad(self.optimizer, set_to_none, boundary=_state.training.sync_gradients)
+        training = _state.training
+        (training.strategy or _state.strategy()).zero_grad(
+            self.optimizer, set_to_none, boundary=training.sync_gradients
+        )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -158,7 +161,7 @@ class PreparedScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
-        if not training.sync_gradients or _state.strategy().owns_schedulers:
+        if not training.sync_gradients or (training.strategy or _state.strategy()).owns_schedulers:
             return
         if self._pending is not None:
             self._apply_pending()

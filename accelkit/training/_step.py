@@ -42,12 +42,12 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         tensor([3., 3.])
     """
     training = _state.training
-    st = _state.get()
-    if not training.accumulating and st.options.gradient_accumulation_steps > 1:
-        _warn_once_outside_accumulate(st.options.gradient_accumulation_steps)
+    if not training.accumulating:
+        steps = _state.get().options.gradient_accumulation_steps
+        if steps > 1:
+            _warn_once_outside_accumulate(steps)
     training.backward_calls += 1
-    strategy = st.strategy if st.strategy is not None else _state.strategy()  # (the latter raises)
-    strategy.backward(
+    (training.strategy or _state.strategy()).backward(
         loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=training.sync_gradients, **kwargs
     )
 
@@ -101,8 +101,7 @@ class accumulate(contextlib.ContextDecorator):
         self._entered: tuple[_state.TrainingState, int, int, int, list[Any]] | None = None
 
     def __enter__(self) -> None:
-        options = _state.get().options
-        steps = options.gradient_accumulation_steps if self.steps is None else self.steps
+        steps = _state.get().options.gradient_accumulation_steps if self.steps is None else self.steps
         training = _state.training
         if steps > 1 and _state.step_watch is None:
             _state.step_watch = optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
@@ -116,7 +115,7 @@ class accumulate(contextlib.ContextDecorator):
         self._entered = (training, training.accumulation_steps, steps, training.backward_calls, sync_off)
         training.accumulation_steps = steps
         training.accumulating += 1
-        if not sync and not options.sync_each_batch:
+        if not sync and not _state.get().options.sync_each_batch:
             try:
                 for model in self.models:
                     region = no_sync(model)
@@ -220,7 +219,7 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """
     if isinstance(model, MixedPrecisionModule):
         model = model.forward_module
-    return _state.strategy().no_sync(model)
+    return (_state.training.strategy or _state.strategy()).no_sync(model)
 
 
 def clip_grad_norm_(
