@@ -212,8 +212,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'accelkit' has no attribute {name!r}")
+    if home is None:  # Accelerate's spelling of an accelkit name gets accelkit's in the message
+        from ._accelerate_names import missing_name
+
+        raise AttributeError(missing_name(name, __all__))
     value = getattr(importlib.import_module(home, __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value

@@ -82,7 +82,13 @@ class TrainingState:
       steps the optimizer (False on accumulation micro-steps).
     - ``active_loaders``: prepared dataloaders being iterated, innermost last; each entry
       knows whether it is on its last batch and how many samples it padded there.
-    - ``accumulation_steps``: the steps of the innermost ``ak.accumulate`` (1 outside).
+    - ``accumulation_steps``: the steps of the innermost ``ak.accumulate`` (1 outside);
+      ``accumulating``: how many ``ak.accumulate`` regions are open (0 outside).
+    - ``backward_calls``: ``ak.backward`` calls so far (a region compares it at entry and exit).
+    - ``warned``: the training warnings given once (again after a reset: a new run).
+    - ``strategy``: the current state's strategy, kept here for the step path (an attribute read,
+      where ``strategy()`` is a call); None until a state exists. Set with the state, and a new
+      ``TrainingState`` comes with every new state (``reset_state``, a fork).
     - ``scaler``: the fp16 ``GradScaler``, created when an optimizer is prepared under fp16.
     - ``optimizers``: the prepared optimizers; ``unscaled``: whether their gradients were
       already unscaled this step (``clip_grad_norm_`` unscales once per step). Weak: an
@@ -100,6 +106,10 @@ class TrainingState:
     sync_gradients: bool = True
     active_loaders: list[Any] = field(default_factory=list)
     accumulation_steps: int = 1
+    accumulating: int = 0
+    backward_calls: int = 0
+    warned: set[str] = field(default_factory=set)
+    strategy: Strategy | None = None
     scaler: Any = None
     optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     unscaled: bool = False
@@ -208,6 +218,7 @@ _generation = 0  # groups formed by this process (outlives reset_state: the next
 _origin = ""  # where the state was created, for error messages
 _owns_group = False  # whether accelkit created the process group (and so destroys it)
 _exit_hook_registered = False
+_fork_hook_registered = False
 step_watch: Any = None  # the optimizer-step hook that warns of unprepared optimizers under ak.accumulate
 _tracker_hook_registered = False
 breakpoint_requested = False  # set by ak.set_breakpoint, read by ak.check_breakpoint
@@ -217,9 +228,13 @@ _CHECKED = ("num_processes", "num_nodes", "node_rank")  # init cannot choose the
 
 
 def get() -> ProcessState:
-    """The current state, built on first use."""
+    """The current state, built on first use.
+
+    On the step path (every prepared call asks): no ``os.getpid()`` system call here, as a forked
+    child drops its parent's state at once (an at-fork hook, see :func:`_create`).
+    """
     st = _state
-    if st is not None and st.pid == os.getpid():
+    if st is not None:
         return st
     with _lock:
         return _current() or _create({}, {}, f"{_frames.call_site()} (first use)")
@@ -227,7 +242,7 @@ def get() -> ProcessState:
 
 def strategy() -> Strategy:
     """The parallelism strategy of the current state (built on first use)."""
-    st = get()
+    st = _state if _state is not None else get()
     if st.strategy is None:  # a state built by hand (tests); every accelkit-built state has one
         raise StateError("this ProcessState has no strategy; build it with ak.init() or ak.state()")
     return st.strategy
@@ -340,6 +355,7 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
     _state = replace(
         st, options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
     )
+    training.strategy = strategy
     return _state
 
 
@@ -381,6 +397,8 @@ def new_task() -> None:
                 origins={},
                 strategy=select_strategy(resolved.options, st.world_size, st.device),
             )
+        if _state is not None:
+            training.strategy = _state.strategy
 
 
 def _close_saving() -> None:
@@ -502,6 +520,8 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
             _destroy_group()
             raise
     _state, _owns_group, _origin = st, owns, origin
+    training.strategy = st.strategy
+    _register_fork_hook()
     if st.distributed:
         _register_exit_hook()
     return st
@@ -571,6 +591,14 @@ def _destroy_group() -> None:
     from . import _group
 
     _group.destroy()
+
+
+def _register_fork_hook() -> None:
+    global _fork_hook_registered
+    if not _fork_hook_registered:
+        # A forked child never reuses its parent's state (nor its group): it forgets it at once.
+        os.register_at_fork(after_in_child=_current)
+        _fork_hook_registered = True
 
 
 def _register_exit_hook() -> None:

@@ -87,6 +87,19 @@ def test_csv_and_jsonl_rows_are_exact_and_a_new_name_widens_the_csv(tmp_path: Pa
     assert json.loads((run.directory / "config.json").read_text()) == {"lr": 0.1, "tags": ["a"]}
 
 
+def test_a_step_key_in_the_values_is_the_step_as_accelerate_allows(tmp_path: Path) -> None:
+    # run_clm_no_trainer: accelerator.log({"perplexity": p, ..., "step": completed_steps}, step=completed_steps)
+    with ak.init_trackers("clm", log_with=["csv", "jsonl"], project_dir=tmp_path) as run:
+        ak.log({"perplexity": 3.5, "step": 10}, step=10)
+        ak.log({"perplexity": 3.0, "step": torch.tensor(20)})  # no step=: the key is the step
+        ak.log({"perplexity": 2.5})  # one more than the last
+        with pytest.raises(ValueError, match=r"values\['step'\]=30 but step=31.*drop the key, or pass the same"):
+            ak.log({"perplexity": 2.0, "step": 30}, step=31)
+    assert (run.directory / "metrics.csv").read_text().splitlines() == ["step,perplexity", "10,3.5", "20,3.0", "21,2.5"]
+    lines = [json.loads(line) for line in (run.directory / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [10, 20, 21]
+
+
 def test_a_second_run_of_the_same_project_continues_the_files(tmp_path: Path) -> None:
     for first in (0, 2):
         with ak.init_trackers("again", log_with="csv", project_dir=tmp_path):
@@ -150,8 +163,10 @@ def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path: Path) -
             ak.log({"w": torch.ones(2)})
         with pytest.raises(TypeError, match="expected a dict of numbers"):
             ak.log([1.0])  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="'step' is the step of every row"):
-            ak.log({"step": 3})
+        with pytest.raises(ValueError, match=r"values\['step'\]=3 but step=4: 'step' is the step of every row"):
+            ak.log({"step": 3}, step=4)
+        with pytest.raises(TypeError, match=r"values\['step'\]=1.5 is taken as the step"):
+            ak.log({"step": 1.5})
         with pytest.raises(TypeError, match=r"step=1.5"):
             ak.log({"loss": 1.0}, step=1.5)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"step=-1"):

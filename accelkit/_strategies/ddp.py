@@ -10,7 +10,27 @@ from torch import nn
 from .comm_hooks import CommHook
 from .single import SingleProcess
 
-__all__ = ["DDP"]
+__all__ = ["DDP", "PreparedDDP"]
+
+
+class PreparedDDP(nn.parallel.DistributedDataParallel):
+    """``DistributedDataParallel`` whose attributes it does not define are the wrapped module's.
+
+    ``model.config``, ``model.generate(...)``, a custom method: as on the user's module, as they
+    are on one process (where the prepared model is the module itself). DDP's own (``module``,
+    ``no_sync()``, ``forward``, ``state_dict()`` with its ``module.`` keys) stay DDP's.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        modules = self.__dict__.get("_modules")
+        if modules is not None and name in modules:  # ``self.module``, in DDP's every forward: one call
+            return modules[name]
+        try:
+            return super().__getattr__(name)  # DDP's own parameters and buffers (it has none of its own)
+        except AttributeError:
+            if modules is None or "module" not in modules:  # still being built (or unpickled)
+                raise
+            return getattr(modules["module"], name)
 
 
 class DDP(SingleProcess):
@@ -23,7 +43,7 @@ class DDP(SingleProcess):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         options = dict(model_options)
         hook: CommHook | None = options.pop("comm_hook", None)
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
+        ddp = PreparedDDP(model, device_ids=device_ids, **options)
         if hook is not None:
             hook.register(ddp)
         return ddp

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._options import Options
 from . import Setup, Skipped
@@ -42,6 +44,17 @@ class SingleProcess:
         self._no_sync_depth: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._calls: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepCalls] = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy, as of ``ak.state()``) with none of this process's objects.
+
+        What a strategy learned about them sits in weak maps and references, which do not pickle
+        and mean nothing in another process: the copy starts with empty ones.
+        """
+        return {name: _forget(value) for name, value in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({name: _empty(value) for name, value in state.items()})
+
     def setup(
         self,
         models: Sequence[nn.Module],
@@ -70,9 +83,11 @@ class SingleProcess:
         return torch.amp.GradScaler(self.device.type)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        if callable(getattr(model, "set_requires_gradient_sync", None)):  # fully_shard-ed (by ak.prepare or by hand)
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # the common case first
+            return model.no_sync()
+        if callable(_method(model, "set_requires_gradient_sync")):  # fully_shard-ed (by ak.prepare or by hand)
             return self._gradient_sync_off(model)
-        sync_off = getattr(model, "no_sync", None)  # DDP's
+        sync_off = _method(model, "no_sync")  # DDP's, under a torch.compile wrapper
         return sync_off() if callable(sync_off) else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, *, divide_by: int, scaler: Any, boundary: bool, **kwargs: Any) -> None:
@@ -160,6 +175,45 @@ class SingleProcess:
             self._no_sync_depth[model] = depth
             if depth == 0:
                 model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+_WEAK_MAPS = (weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet, WeakIdKeyDictionary)
+
+
+class _EmptyMap:
+    """What a weak map pickles as: its type, to make an empty one of when unpickled."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+
+
+def _forget(value: Any) -> Any:
+    if isinstance(value, _WEAK_MAPS):
+        return _EmptyMap(type(value))
+    return None if isinstance(value, weakref.ref) else value
+
+
+def _empty(value: Any) -> Any:
+    return value.kind() if isinstance(value, _EmptyMap) else value
+
+
+def _method(model: nn.Module, name: str) -> Any:
+    """``getattr(model, name, None)``, without nn.Module.__getattr__'s exception on a plain module.
+
+    That miss costs more than the rest of ``ak.accumulate`` (it runs on every micro-step). Only a
+    module whose class overrides ``__getattr__`` (a ``torch.compile`` wrapper) can have more than
+    its class and its instance dictionary offer.
+    """
+    kind: Any = type(model)
+    plain = getattr(kind, "__getattr__", None) is nn.Module.__getattr__
+    if plain and name not in model.__dict__ and not _class_has(kind, name):
+        return None
+    return getattr(model, name, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _class_has(kind: type, name: str) -> bool:
+    return hasattr(kind, name)
 
 
 def _wrapper_types() -> tuple[type, ...]:

@@ -90,6 +90,7 @@ def prepare_dataloader(
         prepared = _prepare_stream(loader, st, even_batches, split_batches, data_seed)
     else:
         prepared = _prepare_map(loader, st, even_batches, split_batches, data_seed)
+    prepared.base_dataloader = loader
     _state.training.loaders.append(weakref.ref(prepared))  # ak.save_state records its position
     return prepared
 

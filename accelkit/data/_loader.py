@@ -78,6 +78,8 @@ class PreparedDataLoader(DataLoader[Any]):
     iteration is a new epoch. ``state_dict()`` / ``load_state_dict()`` save and restore
     ``{"epoch", "base_seed", "batches_yielded"}`` (and ``"order_state"`` when the order follows
     the user's generator), so that a resumed run continues the interrupted epoch exactly.
+    Attributes and methods it does not define are those of the user's loader, ``base_dataloader``
+    (a ``DataLoader`` subclass's own, attributes set on it); ``batch_size`` is the per-process one.
 
     Example:
         >>> import accelkit as ak, torch
@@ -97,6 +99,14 @@ class PreparedDataLoader(DataLoader[Any]):
         self._epoch_order: torch.Tensor | None = None  # the order generator's state when this epoch began
         self._pending_order: torch.Tensor | None = None  # a restored state, for the next epoch
         self._joinables: list[weakref.ReferenceType[Any]] = []  # see join_uneven_inputs
+        self.base_dataloader: DataLoader[Any] | None = None  # the user's loader, set by prepare
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found on the prepared loader: the user's loader's.
+        base = self.__dict__.get("base_dataloader")
+        if base is None:  # still being built (or unpickled)
+            raise AttributeError(f"'PreparedDataLoader' object has no attribute {name!r}")
+        return getattr(base, name)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         plan, epoch, skip = self._plan, self._epoch, self._skip
@@ -146,12 +156,13 @@ class PreparedDataLoader(DataLoader[Any]):
         active.append(entry)
         if plan.transfer is not None:
             batches = _ahead(batches, plan.transfer)
+        attributes = self.__dict__  # DataLoader.__setattr__ is a Python call: not once per batch
         try:
             for batch in batches:
                 n += 1
                 if n == record.num_batches:
                     entry.at_last_batch, entry.padding, entry.global_size = True, record.padding, record.global_size
-                self._yielded = n
+                attributes["_yielded"] = n
                 yield batch
             self._running = False
         finally:  # also on an exception, and on close() / garbage collection after a break

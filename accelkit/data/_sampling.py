@@ -106,7 +106,9 @@ def slice_rounds(
     the summed batch sizes when the units are batches).
     """
     lo, hi = layout.rank * layout.size, (layout.rank + 1) * layout.size
-    rounds = (r for r in _rounds(units, layout) if len(r[0]) > lo)  # not an uneven round without this rank
+    rounds = _rounds(units, layout)
+    if not (layout.even or layout.drop_last):  # the only rounds that may be too short for this rank
+        rounds = (r for r in rounds if len(r[0]) > lo)  # (a generator less per batch otherwise)
     current = next(rounds, None)
     n = 0
     while current is not None:

@@ -20,7 +20,7 @@ from .. import _env, _state
 from .._options import TRACKERS
 from ..config import resolve
 from . import _registry
-from ._values import check_step, config_dict, scalars
+from ._values import config_dict, scalars, take_step
 
 __all__ = ["Trackers", "end_training", "get_tracker", "init_trackers", "log"]
 
@@ -115,6 +115,8 @@ def log(values: Mapping[str, Any], step: int | None = None) -> None:
 
     ``values`` holds numbers, one-element tensors and nested dicts (``{"eval": {"acc": a}}`` is
     logged as ``eval/acc``). ``step`` defaults to one more than the last step logged (0 at first).
+    A ``"step"`` key in ``values`` (as Accelerate's scripts log it) is the step: equal to ``step=``,
+    or in its place; a different value is an error.
     Before ``ak.init_trackers`` (or after ``ak.end_training``) it is an error on the main process.
 
     Example:
@@ -132,8 +134,8 @@ def log(values: Mapping[str, Any], step: int | None = None) -> None:
             "accelkit.log() has no tracker to write to: call ak.init_trackers(project_name, config) first "
             "(after ak.end_training(), or after a `with ak.init_trackers(...):` block, the trackers are closed)"
         )
-    numbers = scalars(values)
-    chosen = check_step(step)
+    rest, chosen = take_step(values, step)
+    numbers = scalars(rest)
     at = tracking.step + 1 if chosen is None else chosen
     for tracker in tracking.trackers.values():
         tracker.log(numbers, at)

@@ -18,7 +18,9 @@ import torch
 
 from .. import _safe_io
 
-__all__ = ["check_step", "config_dict", "flat_hparams", "json_number", "scalars", "start_file_tracker"]
+__all__ = [
+    "check_step", "config_dict", "flat_hparams", "json_number", "scalars", "start_file_tracker", "take_step",
+]  # fmt: skip
 
 _RESERVED = "step"  # the step column of the CSV and JSONL files
 
@@ -44,7 +46,7 @@ def _flatten(values: Mapping[Any, Any], prefix: str, out: dict[str, float | int]
         if not isinstance(key, str) or not key:
             raise TypeError(f"{call}: key {prefix}{key!r} is not a non-empty string; name each value, e.g. 'loss'")
         name = prefix + key
-        if name == _RESERVED:
+        if name == _RESERVED:  # take_step removed the accepted one
             raise ValueError(f"{call}: {name!r} is the step of every row; pass it as {call}(values, step=...)")
         kind = type(value)
         if kind is float or kind is int:  # the common case first: ABC checks cost a few µs per call
@@ -68,6 +70,35 @@ def _flatten(values: Mapping[Any, Any], prefix: str, out: dict[str, float | int]
                 f"{call}: {name!r} is a {type(value).__name__} ({value!r:.60}); log numbers, one-element tensors "
                 f"or dicts of them, e.g. {{{name!r}: float(x)}}"
             )
+
+
+def take_step(values: object, step: object, call: str = "accelkit.log") -> tuple[object, int | None]:
+    """``values`` without a top-level ``"step"`` key, and the step of the row (None: the next one).
+
+    The key is accepted as Accelerate accepts it: equal to ``step=``, or as the step when ``step=``
+    is not given (an integer, or a one-element integer tensor); a different value is an error.
+
+    Example:
+        >>> take_step({"ppl": 3.5, "step": 7}, 7)
+        ({'ppl': 3.5}, 7)
+    """
+    chosen = check_step(step, call)
+    if not isinstance(values, Mapping) or _RESERVED not in values:
+        return values, chosen
+    given = values[_RESERVED]
+    if isinstance(given, torch.Tensor) and given.numel() == 1 and not (given.is_floating_point() or given.is_complex()):
+        given = given.item()  # a device sync on a GPU: only the main process gets here
+    if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 0:
+        raise TypeError(
+            f"{call}: values[{_RESERVED!r}]={values[_RESERVED]!r} is taken as the step of the row, and a step is an "
+            f"integer >= 0; pass the step as {call}(values, step=...) and log this value under another name"
+        )
+    if chosen is not None and given != chosen:
+        raise ValueError(
+            f"{call}: values[{_RESERVED!r}]={int(given)} but step={chosen}: 'step' is the step of every row, one "
+            f"value per row; drop the key, or pass the same value ({call}({{..., 'step': s}}, step=s))"
+        )
+    return {k: v for k, v in values.items() if k != _RESERVED}, int(given)
 
 
 def check_step(step: object, call: str = "accelkit.log") -> int | None:

@@ -26,7 +26,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     ``step()`` and ``zero_grad()`` do nothing on gradient-accumulation micro-steps;
     ``step()`` is skipped (``step_was_skipped``) when fp16 gradients overflowed.
-    Everything else (``param_groups``, ``state``, ``state_dict``) is the wrapped optimizer's.
+    Everything else (``param_groups``, ``state``, ``state_dict``, and any attribute or method this
+    wrapper does not define, such as a schedule-free optimizer's ``train()`` / ``eval()``) is the
+    wrapped optimizer's, ``self.optimizer``. It is a ``torch.optim.Optimizer``, not an instance of
+    the wrapped optimizer's class: test ``isinstance(opt.optimizer, MyOptimizer)``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no super().__init__: a view
@@ -63,7 +66,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._pending:
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
-        strategy = _state.strategy()
+        strategy = training.strategy or _state.strategy()
         loss, skipped = strategy.optimizer_step(
             self.optimizer, training.scaler, closure, boundary=training.sync_gradients
         )
@@ -73,7 +76,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        _state.strategy().zero_grad(self.optimizer, set_to_none, boundary=_state.training.sync_gradients)
+        training = _state.training
+        (training.strategy or _state.strategy()).zero_grad(
+            self.optimizer, set_to_none, boundary=training.sync_gradients
+        )
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -113,6 +119,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._apply_pending()
         self.optimizer.add_param_group(param_group)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found on the wrapper: the wrapped optimizer's (optimizer.train(), ...).
+        # Also what Optimizer's own methods read (register_step_pre_hook's hook dicts): the hooks
+        # then go on the wrapped optimizer, and run when it really steps.
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:  # still being built or unpickled
+            raise AttributeError(f"'PreparedOptimizer' object has no attribute {name!r}")
+        return getattr(optimizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Not Optimizer's: it would drop the wrapped optimizer, and its __setstate__ patches this class's step().
+        self._apply_pending()
+        return {"optimizer": self.optimizer, "_skipped": self.step_was_skipped, "_pending": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"
 
@@ -138,7 +161,7 @@ class PreparedScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
-        if not training.sync_gradients or _state.strategy().owns_schedulers:
+        if not training.sync_gradients or (training.strategy or _state.strategy()).owns_schedulers:
             return
         if self._pending is not None:
             self._apply_pending()

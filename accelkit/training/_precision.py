@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -14,44 +15,78 @@ from .. import _state, _tree
 from .._options import PRECISIONS, suggest
 from ..errors import ConfigurationError
 
-__all__ = ["MixedPrecisionModule", "autocast", "precision"]
+__all__ = ["MixedPrecisionModule", "Precision", "autocast", "autocast_options", "precision"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-@contextlib.contextmanager
-def precision(mode: str | None = None) -> Iterator[None]:
+def precision(mode: str | None = None) -> Precision:
     """Run the body under autocast: ``"no"`` (fp32), ``"fp16"``, ``"bf16"``, or ``None`` (the default).
 
     fp16 works on the CPU too (torch's CPU autocast); with the configured precision fp16,
     ``ak.backward`` scales the loss and the prepared optimizer unscales and skips
     overflowing steps. Regions nest: ``precision("no")`` inside a bf16 region is fp32.
+    The object can be kept and entered again, also inside itself, as a ``torch.autocast``
+    (``ctx = ak.precision("bf16")``, then ``with ctx:`` wherever needed), and decorates functions.
 
     Example:
         >>> import accelkit as ak, torch
-        >>> with ak.precision("bf16"):
+        >>> ctx = ak.precision("bf16")
+        >>> with ctx:
         ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
         torch.bfloat16
     """
-    st = _state.get()
-    mode = st.options.precision if mode is None else mode
-    device_type = st.device.type
-    with autocast(mode, device_type):
-        yield
+    return Precision(mode)
+
+
+class Precision(contextlib.ContextDecorator):
+    """What :func:`precision` returns: a reusable, re-entrant autocast region.
+
+    The mode is checked at once; ``None`` (the configured precision) and the device are read
+    each time the region is entered. Each entry opens its own ``torch.autocast``.
+    """
+
+    def __init__(self, mode: str | None) -> None:
+        if mode is not None:
+            _check_mode(mode)
+        self.mode = mode
+        self._open = threading.local()  # this thread's open regions, innermost last
+
+    def __enter__(self) -> None:
+        st = _state.get()
+        region = autocast(st.options.precision if self.mode is None else self.mode, st.device.type)
+        region.__enter__()
+        stack: list[contextlib.AbstractContextManager[object]] = self._open.__dict__.setdefault("stack", [])
+        stack.append(region)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._open.stack.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"accelkit.precision({self.mode!r})"
 
 
 def autocast(mode: str, device_type: str) -> contextlib.AbstractContextManager[object]:
     """The autocast context for ``mode`` on ``device_type`` (validated)."""
+    return torch.autocast(device_type, **autocast_options(mode, device_type))
+
+
+def autocast_options(mode: str, device_type: str) -> dict[str, Any]:
+    """``torch.autocast``'s keyword arguments for ``mode`` on ``device_type`` (validated)."""
+    _check_mode(mode)
+    if mode == "fp8":
+        raise ValueError(f"accelkit.precision('fp8') is not available here: {_fp8_missing(device_type)}")
+    if mode == "no":
+        return {"enabled": False}
+    return {"dtype": _DTYPES[mode]}
+
+
+def _check_mode(mode: str) -> None:
     if mode not in PRECISIONS:
         valid = ", ".join(PRECISIONS)
         raise ConfigurationError(
             f"accelkit.precision({mode!r}): unknown mode; valid modes: {valid}{suggest(mode, PRECISIONS)}"
         )
-    if mode == "fp8":
-        raise ValueError(f"accelkit.precision('fp8') is not available here: {_fp8_missing(device_type)}")
-    if mode == "no":
-        return torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=_DTYPES[mode])
 
 
 def _fp8_missing(device_type: str) -> str:
@@ -84,13 +119,13 @@ class MixedPrecisionModule(nn.Module):
 
     def __init__(self, module: nn.Module, mode: str, device_type: str) -> None:
         super().__init__()
-        autocast(mode, device_type)  # validates the mode
+        self._autocast = autocast_options(mode, device_type)  # validates the mode; once, not per forward
         self.forward_module = module
         self.mode = mode
         self.device_type = device_type
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with autocast(self.mode, self.device_type):
+        with torch.autocast(self.device_type, **self._autocast):
             outputs = self.forward_module(*args, **kwargs)
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
         return _tree.apply_to_tensors(_to_fp32, outputs)

@@ -6,7 +6,7 @@ import contextlib
 import math
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,6 +30,10 @@ __all__ = [
 def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     """``loss.backward(**kwargs)``, scaled for fp16 and divided by the accumulation steps.
 
+    The loss is divided inside ``ak.accumulate`` only (by its ``steps``). Outside it, with
+    ``gradient_accumulation_steps`` > 1 configured, nothing is divided (Accelerate's
+    ``accelerator.backward`` would divide): a warning, once, says so and names ``ak.accumulate``.
+
     Example:
         >>> import accelkit as ak, torch
         >>> w = torch.ones(2, requires_grad=True)
@@ -38,7 +42,12 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         tensor([3., 3.])
     """
     training = _state.training
-    strategy = _state.strategy()
+    if not training.accumulating:
+        steps = _state.get().options.gradient_accumulation_steps
+        if steps > 1:
+            _warn_once_outside_accumulate(steps)
+    training.backward_calls += 1
+    strategy = training.strategy or _state.strategy()
     if not training.sync_gradients or _state.group.heartbeat is None:
         strategy.backward(
             loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=training.sync_gradients,
@@ -66,8 +75,23 @@ def _done_waiting(module: nn.Module, args: Any, output: Any) -> None:
     _state.group.now = _state.group.now._replace(doing="")
 
 
-@contextlib.contextmanager
-def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
+def _warn_once_outside_accumulate(steps: int) -> None:
+    warned = _state.training.warned
+    if "outside accumulate" in warned:
+        return
+    warned.add("outside accumulate")
+    warnings.warn(
+        f"ak.backward(loss) outside ak.accumulate, with gradient_accumulation_steps={steps}: the loss is not "
+        f"divided by {steps} (only ak.accumulate divides it, and it decides when gradients are synchronised and "
+        f"the optimizer steps), so gradients accumulated over {steps} backward calls are {steps}x those of "
+        f"Accelerate's accelerator.backward. Put each micro-step in `with ak.accumulate(model):`; or, "
+        f"accumulating by hand, divide the loss yourself and set gradient_accumulation_steps=1",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class accumulate(contextlib.ContextDecorator):
     """One micro-step of gradient accumulation over ``steps`` micro-steps.
 
     Gradients are synchronised across processes (and the prepared optimizer and scheduler
@@ -76,6 +100,12 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
     ``sync_each_batch`` option the gradients are synchronised on every micro-step too (less
     memory under FSDP, more communication); the optimizer still steps on the boundary only.
 
+    One ``ak.backward`` per region: a loop of micro-steps puts each in its own region, and
+    clipping and ``optimizer.step()`` may follow the loop (after the ``steps``-th region,
+    ``ak.sync_gradients()`` is True). Several ``ak.backward`` calls in one region with
+    ``steps`` left at 1 warn once (pass ``steps=1`` when several losses per step are meant).
+    A class, as ``torch.no_grad``: it runs on every step, and a function around it would cost a call.
+
     Example:
         >>> import accelkit as ak, torch
         >>> model = torch.nn.Linear(2, 1)
@@ -83,30 +113,69 @@ def accumulate(*models: nn.Module, steps: int | None = None) -> Iterator[None]:
         ...     ak.sync_gradients()
         False
     """
-    options = _state.get().options
-    if steps is None:
-        steps = options.gradient_accumulation_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
-    training = _state.training
-    if steps > 1 and _state.step_watch is None:
-        _state.step_watch = optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
-    training.micro_step += 1
-    loaders = training.active_loaders
-    at_end = bool(loaders) and loaders[-1].at_last_batch
-    training.sync_gradients = training.micro_step % steps == 0 or at_end
-    if at_end:
-        training.micro_step = 0  # the next epoch starts a fresh cycle
-    outer = training.accumulation_steps
-    training.accumulation_steps = steps
-    try:
-        with contextlib.ExitStack() as stack:
-            if not training.sync_gradients and not options.sync_each_batch:
-                for model in models:
-                    stack.enter_context(no_sync(model))
-            yield
-    finally:
-        training.accumulation_steps = outer
+
+    def __init__(self, *models: nn.Module, steps: int | None = None) -> None:
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
+        self.models = models
+        self.steps = steps
+        # On entry: the training state entered, its steps before, these steps, ak.backward calls so
+        # far, and the no-sync regions entered (one attribute: set once per step).
+        self._entered: tuple[_state.TrainingState, int, int, int, list[Any]] | None = None
+
+    def __enter__(self) -> None:
+        steps = _state.get().options.gradient_accumulation_steps if self.steps is None else self.steps
+        training = _state.training
+        if steps > 1 and _state.step_watch is None:
+            _state.step_watch = optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
+        training.micro_step += 1
+        loaders = training.active_loaders
+        at_end = bool(loaders) and loaders[-1].at_last_batch
+        training.sync_gradients = sync = training.micro_step % steps == 0 or at_end
+        if at_end:
+            training.micro_step = 0  # the next epoch starts a fresh cycle
+        sync_off: list[Any] = []
+        self._entered = (training, training.accumulation_steps, steps, training.backward_calls, sync_off)
+        training.accumulation_steps = steps
+        training.accumulating += 1
+        if not sync and not _state.get().options.sync_each_batch:
+            try:
+                for model in self.models:
+                    region = no_sync(model)
+                    region.__enter__()
+                    sync_off.append(region)
+            except BaseException:
+                self.__exit__(*sys.exc_info())
+                raise
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._entered is not None, "accumulate.__exit__ without __enter__"
+        training, outer, steps, backwards, sync_off = self._entered
+        try:
+            while sync_off:
+                sync_off.pop().__exit__(*exc)
+        finally:
+            training.accumulation_steps = outer
+            training.accumulating -= 1
+        if steps == 1 and self.steps is None and training.backward_calls - backwards > 1 and exc[0] is None:
+            _warn_once_several_backwards(training.backward_calls - backwards)
+
+
+def _warn_once_several_backwards(calls: int) -> None:
+    warned = _state.training.warned
+    if "several backwards" in warned:
+        return
+    warned.add("several backwards")
+    warnings.warn(
+        f"ak.accumulate(model) saw {calls} ak.backward calls in one region, with steps=1 "
+        f"(gradient_accumulation_steps left at 1): each synchronised the gradients, and they add up undivided "
+        f"({calls}x those of one micro-step). For {calls} micro-steps per optimizer step, give each its own "
+        f"region and the count: `for _ in range({calls}): with ak.accumulate(model, steps={calls}): "
+        f"ak.backward(loss)`, then clip and optimizer.step() after the loop. If several backward calls per "
+        f"step are meant (several losses), say so with steps=1",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_unprepared_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -173,7 +242,7 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """
     if isinstance(model, MixedPrecisionModule):
         model = model.forward_module
-    return _state.strategy().no_sync(model)
+    return (_state.training.strategy or _state.strategy()).no_sync(model)
 
 
 def clip_grad_norm_(

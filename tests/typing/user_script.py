@@ -40,6 +40,11 @@ def train(epochs: int = 3) -> float:
     assert_type(values, dict[str, Any])
     ak.save_model(ak.unwrap(model), "export", safe_serialization=True)
     assert_type(ak.unwrap(model, keep_precision=True), nn.Module)
+    ctx = ak.precision("bf16")  # kept and entered again
+    for _ in range(4):  # a micro-step loop, then the step
+        with ak.accumulate(model, steps=4), ctx:
+            ak.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
     return float(ak.reduce(loss, op="mean").item())
 
 
