@@ -331,7 +331,6 @@ def reset_state() -> None:
     accelkit adopted it is left to the user.
     """
     global _state, _owns_group, breakpoint_requested, training, group
-    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
     with _lock:
         end_trackers(failed=False)
         if _current() is not None:
