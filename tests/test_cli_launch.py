@@ -260,6 +260,7 @@ def test_flags_and_arguments_reach_every_rank(tmp_path: Path) -> None:
         assert r["argv"] == [PROBE, "a", "-b", "--c"] and r["path0"] == str(SCRIPTS)
     assert "accelkit: launching 2 process(es) on node 0 of 1 (world size 2)" in err
     assert "precision = 'bf16' (flag)" in err
+    assert "accelkit: a collective that waits 600 s for the other processes fails the job (timeout, default;" in err
 
 
 @pytest.mark.distributed
@@ -272,6 +273,7 @@ def test_a_failing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
     trace = report[report.index("Traceback (most recent call last):") :].splitlines()
     assert trace[1].strip().startswith(f'File "{PROBE}"'), "the traceback starts in the user's script"
     assert "accelkit/cli" not in err and "runpy" not in err, "no traceback of the launcher itself"
+    assert "a collective that waits" not in err, "the timeout is said with --debug and by accelkit env, not each time"
 
 
 @pytest.mark.distributed

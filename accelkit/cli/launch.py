@@ -18,6 +18,7 @@ from .._options import DEFAULT_RDZV_TIMEOUT, DEFAULT_TIMEOUT, PRECISIONS, RDZV_B
 from ..config import config_in_effect
 from ..errors import ConfigurationError
 from ._plan import LaunchPlan, describe, local_processes, plan_launch, print_warnings
+from ._sysinfo import timeout_sentence
 from ._types import int_at_least
 
 _EPILOG = """\
@@ -191,14 +192,10 @@ def _run_agent(plan: LaunchPlan) -> int:
     debug = bool(plan.options.get("debug"))
     settings = replace(plan.launch, num_processes=local_processes(plan))
     print_warnings(settings.num_processes or 1)
-    timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)
-    where = plan.sources.get("timeout", "default")
-    print(
-        f"accelkit: a collective that waits {timeout:g} s for the other processes fails the job "
-        f"(timeout, {where}; set ACCELKIT_TIMEOUT or `timeout:` in the config file to change it)",
-        file=sys.stderr,
-    )
-    if debug:
+    if debug:  # said on every launch, it was noise; `accelkit env` shows it too
+        timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)
+        where = plan.sources.get("timeout", "default")
+        print(f"accelkit: {timeout_sentence(float(timeout), where)}", file=sys.stderr)  # type: ignore[arg-type]
         what = (
             f"{settings.num_processes} process(es) on node {settings.node_rank} of {settings.num_nodes} "
             f"(world size {settings.world_size})"
