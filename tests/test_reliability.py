@@ -220,6 +220,15 @@ def test_a_hang_names_the_missing_rank(
     assert re.search(rf"accelkit: rank 0: still waiting for rank 1 at {label} #1 \(\d s\)", err), err[-2000:]
 
 
+def test_a_rank_that_stays_on_one_line_is_said_to_be_there_since_then() -> None:
+    # Its heartbeat publishes when its place changes: a rank asleep on one line is not "last heard" long ago.
+    from accelkit._group import Position
+
+    now = time.time()
+    asleep = Position(1, "reduce", 1, False, now - 25, "train.py:12 in train", published=now - 20)
+    assert asleep.describe(now) == "at reduce #1 (left it 25 s ago), running train.py:12 in train (there for 20 s)"
+
+
 # --- 3. numpy is optional -------------------------------------------------------------------------
 
 # Runs a script where `import numpy` fails, as on a machine with only accelkit's dependencies.
