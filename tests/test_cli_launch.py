@@ -296,6 +296,24 @@ def test_a_module_runs_as_main_with_its_arguments_and_a_share_of_the_cores(tmp_p
     assert {r["threads"] for r in reports} == {str(max(1, (os.cpu_count() or 1) // 2))}
 
 
+@pytest.mark.parametrize("how", ["script", "module", "package"])
+def test_a_syntax_error_is_reported_once_before_any_worker_starts(tmp_path: Path, how: str) -> None:
+    broken = "import sys\n\ndef train(:\n    pass\n"
+    if how == "package":
+        (tmp_path / "pkg").mkdir()
+        (tmp_path / "pkg" / "__init__.py").write_text("")
+        path, target = _write(tmp_path / "pkg" / "__main__.py", broken), ["-m", "pkg"]
+    else:
+        path = _write(tmp_path / "broken.py", broken)
+        target = ["-m", "broken"] if how == "module" else [path]
+    started = time.monotonic()
+    code, _, err = _launch(tmp_path, "-n", "2", "--cpu", *target, cwd=tmp_path)
+    assert code == 1 and time.monotonic() - started < 60, err
+    assert err.count("SyntaxError") == 1 and err.count("def train(:") == 1, err
+    assert f'accelkit launch: error: {path} cannot run, nothing was started:\n  File "{path}", line 3' in err
+    assert "Traceback" not in err and "rank" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
