@@ -8,7 +8,8 @@
 | save and load without numpy                                | test_checkpoints_need_no_numpy, ..._missing |
 | every successful run exits 0, under every launcher         | test_no_gloo_thread_outlives_the_exit_hooks |
 |                                                            | test_twenty_runs_exit_cleanly (slow)        |
-| workers die with their launcher; signals stop everything   | test_kill_9_..., test_sigterm_...           |
+| workers die with their launcher, also while they start     | test_kill_9_..., test_sigterm_...           |
+| signals stop everything                                    |                                             |
 | ranks that differ in versions or options refuse to start   | test_ranks_that_differ_refuse_to_start      |
 | a lost peer never outranks the rank that died              | test_a_lost_peer_never_outranks_a_death     |
 | crash, SIGKILL, restart resume                             | test_a_crash_..., test_a_sigkill_..., ...   |
@@ -389,6 +390,21 @@ def test_kill_9_of_the_launcher_takes_every_worker_along(
 ) -> None:
     proc = _start(session, LIFELINE_PROBES[launcher], REPORT_DIR=str(tmp_path))
     pids = _probe_pids(tmp_path, proc)
+    killed = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    gone = _wait_until(lambda: not any(alive(pid) for pid in pids), 15)
+    elapsed = time.monotonic() - killed
+    assert gone and elapsed < 5, f"still alive after {elapsed:.1f} s: {[p for p in pids if alive(p)]}"
+
+
+def test_kill_9_of_the_launcher_while_its_workers_start_takes_them_along(
+    tmp_path: Path, session: list[subprocess.Popen[str]]
+) -> None:
+    # The workers are still importing the script (as after a slow `import torch`): none has run accelkit's code.
+    proc = _start(session, [str(SCRIPTS / "slow_start_probe.py")], REPORT_DIR=str(tmp_path))
+    if not _wait_until(lambda: len(list(tmp_path.glob("starting-*.pid"))) == 2 or proc.poll() is not None, 120):
+        raise AssertionError("the workers did not start")
+    pids = [int(p.read_text()) for p in tmp_path.glob("starting-*.pid")]
     killed = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     gone = _wait_until(lambda: not any(alive(pid) for pid in pids), 15)

@@ -24,7 +24,7 @@ from typing import Any
 from .. import _env, _state
 from .._options import LaunchSettings
 from ._failures import collect_failures, record_failure
-from ._lifeline import die_with_parent
+from ._lifeline import die_with_parent, reaper
 from ._netif import Route, route_to
 from ._nodes import NodeBeat, lost_nodes
 from ._rendezvous import hosts_c10d_store, network_route, rendezvous_store
@@ -82,7 +82,9 @@ def run_workers(
         worker_env.update(network_env)
         with rendezvous_store(config, route) as (addr, port, run_id), _watch_nodes(config, addr, port, run_id) as beat:
             launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat)
-            with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
+            # Spawned workers arm their own lifeline only once they run; forked ones at once.
+            watch = reaper(f"{_env.RUN_DIR}={run_dir}") if start_method != "fork" else contextlib.nullcontext()
+            with _quiet_agent(quiet), watch, _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
                 try:
                     return launch_agent(launch_config, entrypoint, agent_args)
                 except ChildFailedError as exc:
