@@ -8,6 +8,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DistributedOperationError",
+    "NoExecutableBatchSizeError",
     "StateError",
     "WorkerError",
     "WorkerFailure",
@@ -28,6 +29,10 @@ class StateError(RuntimeError):
 
 class DistributedOperationError(RuntimeError):
     """A collective could not be applied because the ranks disagree about it."""
+
+
+class NoExecutableBatchSizeError(RuntimeError):
+    """``find_executable_batch_size`` ran out of memory with every batch size down to 1 (or started at 0)."""
 
 
 @dataclass(frozen=True)
