@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import _env, _state
 from .._options import LaunchSettings
-from ._failures import collect_failures, record_failure
+from ._failures import RestartNotice, collect_failures, record_failure
 from ._lifeline import die_with_parent, reaper
 from ._netif import Route, route_to
 from ._nodes import NodeBeat, lost_nodes
@@ -81,7 +81,8 @@ def run_workers(
         route, network_env = network_route(config)  # a wrong address or interface fails here, in seconds
         worker_env.update(network_env)
         with rendezvous_store(config, route) as (addr, port, run_id), _watch_nodes(config, addr, port, run_id) as beat:
-            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat)
+            notice = RestartNotice(run_dir, config.max_restarts, tracebacks_shown=isinstance(target, Command))
+            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat, notice)
             # Spawned workers arm their own lifeline only once they run; forked ones at once.
             watch = reaper(f"{_env.RUN_DIR}={run_dir}") if start_method != "fork" else contextlib.nullcontext()
             with _quiet_agent(quiet), watch, _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
@@ -116,10 +117,23 @@ def _watch_nodes(config: LaunchSettings, addr: str, port: int, run_id: str) -> I
 
 
 def _launch_config(
-    config: LaunchSettings, endpoint: str, run_id: str, run_dir: str, route: Route | None, beat: NodeBeat | None
+    config: LaunchSettings,
+    endpoint: str,
+    run_id: str,
+    run_dir: str,
+    route: Route | None,
+    beat: NodeBeat | None,
+    on_start: Callable[[int], None],
 ) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
+
+    class AttemptLogs(DefaultLogsSpecs):
+        """torch's log folders; the agent asks for them as each attempt's workers start: ``on_start`` hears it."""
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+            on_start(int(envs[0].get("TORCHELASTIC_RESTART_COUNT", 0)) if envs else 0)
+            return super().reify(envs)
 
     seconds = math.ceil(config.rdzv_timeout)
     static = config.rdzv_backend == "static"
@@ -155,7 +169,7 @@ def _launch_config(
         max_restarts=config.max_restarts,
         monitor_interval=0.05,
         start_method=config.start_method or "spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
+        logs_specs=AttemptLogs(log_dir=os.path.join(run_dir, "logs")),
     )
 
 
