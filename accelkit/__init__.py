@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load on first use
+    from ._prepare_types import prepare  # each object's own type back (at run time: .training's)
     from ._state import ProcessState, init, is_initialized, reset_state
     from .checkpoint import (
         CheckpointInfo,
@@ -71,7 +72,6 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         local_sgd,
         no_sync,
         precision,
-        prepare,
         sync_gradients,
         unwrap,
     )
