@@ -217,6 +217,9 @@ def test_a_hang_names_the_missing_rank(
     assert lines[2].startswith("  - process 1: before its first collective, running "), first.message
     assert lines[2].endswith("in hang_in"), "where rank 1 is: the line of hang_in that sleeps"
     assert "wait at most 3 s" in first.message
+    headline = str(info.value).splitlines()[0]  # the rank that hangs leads, with where it is
+    assert headline.startswith(f"rank 1 never reached accelkit.{label} #1: it is before its first collective"), headline
+    assert headline.endswith("in hang_in; rank 0 gave up waiting"), headline
     err = capfd.readouterr().err
     assert re.search(rf"accelkit: rank 0: still waiting for rank 1 at {label} #1 \(\d s\)", err), err[-2000:]
 
@@ -495,6 +498,22 @@ def test_a_lost_peer_never_outranks_a_death(tmp_path: Path, monkeypatch: pytest.
     later = time.time() + 5  # the agent's stamp of rank 1's death, after rank 0's report
     agent = {1: type("Seen", (), {"exitcode": -signal.SIGKILL, "timestamp": later, "local_rank": 1})()}
     assert collect_failures(str(tmp_path), agent).ranks == [1, 0]
+
+
+def test_a_hang_is_headed_by_the_rank_that_hangs_not_the_one_that_gave_up() -> None:
+    gloo = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
+    message = (
+        f"accelkit.reduce #2 failed on process 0 of 2: {gloo}\nprocess 1 never reached it\n"
+        "  - process 1: at reduce #1 (left it 6 s ago), running train.py:12 in train\nCollectives wait at most 5 s"
+    )
+    gave_up = WorkerFailure(0, 0, 10, 1, DOE, message, "", timestamp=1000.0, lost_peer=True)
+    stopped = WorkerFailure(1, 1, 11, -signal.SIGTERM, "", "", "", timestamp=1001.0)
+    text = str(ak.WorkerError([stopped, gave_up]))
+    assert text.splitlines()[0] == (
+        "rank 1 never reached accelkit.reduce #2: it is at reduce #1 (left it 6 s ago), running train.py:12 in "
+        "train; rank 0 gave up waiting"
+    )
+    assert text.index(gloo) > text.index("Failures, root cause first:")  # the backend's text comes after
 
 
 # --- the promises that held before, with this suite's bounds ---------------------------------------
