@@ -333,18 +333,20 @@ def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path, rdzv: str) -> None:
     port = str(free_port())
     # More processes than cores, for the launch warning: none starts, the rendezvous fails first.
     crowd = str(len(os.sched_getaffinity(0)) + 1)
     started = time.monotonic()
     code, _, err = _launch(
         tmp_path, "--num-nodes", "2", "--node-rank", "0", "--main-process-ip", "127.0.0.1",
-        "--main-process-port", port, "--rdzv-timeout", "5", "-n", crowd, "--cpu", PROBE,
+        "--main-process-port", port, "--rdzv-timeout", "5", "--rdzv-backend", rdzv, "-n", crowd, "--cpu", PROBE,
     )  # fmt: skip
     assert time.monotonic() - started < 60
     assert code == 1
-    assert f"node 0: node rank(s) 1 of 2 did not join the rendezvous at 127.0.0.1:{port} within 5 s" in err
+    rendezvous = "the rendezvous" if rdzv == "static" else "the c10d rendezvous"
+    assert f"node 0: node rank(s) 1 of 2 did not join {rendezvous} at 127.0.0.1:{port} within 5 s" in err, err
     assert "Traceback" not in err and not list(tmp_path.glob("rank*.json"))
     assert f"accelkit: warning: {crowd} processes on" in err
 

@@ -26,7 +26,7 @@ from .._options import LaunchSettings
 from ._failures import RestartNotice, collect_failures, record_failure
 from ._lifeline import die_with_parent, reaper
 from ._netif import Route, route_to
-from ._nodes import NodeBeat, lost_nodes
+from ._nodes import NodeBeat, lost_nodes, nodes_seen
 from ._rendezvous import hosts_c10d_store, network_route, rendezvous_store
 from ._spec import Command, FunctionRef, Job
 from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
@@ -91,14 +91,29 @@ def run_workers(
                 except ChildFailedError as exc:
                     cause = lost_nodes(addr, port, run_id, config.num_nodes, config.node_rank) if beat else ""
                     raise collect_failures(run_dir, exc.failures, cause) from None
+                except RendezvousTimeoutError:  # c10d's own join timeout; the launchers' beats say who came
+                    seen = nodes_seen(addr, port, run_id, config.num_nodes) if beat else None
+                    raise TimeoutError(_not_joined(config, seen)) from None
     except RendezvousTimeoutError:
-        raise TimeoutError(
-            f"node {config.node_rank}: the {config.num_nodes} nodes did not all join the {config.rdzv_backend} "
-            f"rendezvous at {config.master_addr}:{config.master_port} within {config.rdzv_timeout:g} s. Start "
-            f"every node with the same master address and port, or allow longer."
-        ) from None
+        raise TimeoutError(_not_joined(config, None)) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _not_joined(config: LaunchSettings, seen: set[int] | None) -> str:
+    """The rendezvous timed out: which nodes never came, when the beats in the store tell."""
+    where = f"the {config.rdzv_backend} rendezvous at {config.master_addr}:{config.master_port}"
+    missing = sorted(set(range(config.num_nodes)) - seen) if seen else []
+    if not missing:
+        return (
+            f"node {config.node_rank}: the {config.num_nodes} nodes did not all join {where} within "
+            f"{config.rdzv_timeout:g} s. Start every node with the same master address and port, or allow longer."
+        )
+    return (
+        f"node {config.node_rank}: node rank(s) {', '.join(map(str, missing))} of {config.num_nodes} did not join "
+        f"{where} within {config.rdzv_timeout:g} s. Start each missing node with its node rank and the same "
+        f"master address and port, or allow longer with a larger rendezvous timeout."
+    )
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["NodeBeat", "lost_nodes"]
+__all__ = ["NodeBeat", "lost_nodes", "nodes_seen"]
 
 PERIOD = 0.5  # seconds between two beats: 2 store writes a second per node
 _STILL = 4  # beats without a change before a node counts as lost
@@ -91,6 +91,14 @@ def lost_nodes(addr: str, port: int, run_id: str, num_nodes: int, node_rank: int
         f"{' and '.join(parts)} {were} lost: its launcher stopped answering (killed, or its machine or network "
         f"went down); the failures below followed from it"
     )
+
+
+def nodes_seen(addr: str, port: int, run_id: str, num_nodes: int) -> set[int] | None:
+    """The node ranks whose launcher has beaten in the store; None when the store does not answer."""
+    try:
+        return set(_records(_client(addr, port), [_key(run_id, k) for k in range(num_nodes)]))
+    except Exception:
+        return None
 
 
 def _records(store: Any, keys: list[str]) -> dict[int, dict[str, Any]]:
