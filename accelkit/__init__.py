@@ -30,7 +30,14 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
     from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
     from .config import write_basic_config
     from .data import gather_for_metrics, skip_first_batches
-    from .errors import CheckpointError, ConfigurationError, DistributedOperationError, StateError, WorkerError
+    from .errors import (
+        CheckpointError,
+        ConfigurationError,
+        DistributedOperationError,
+        NoExecutableBatchSizeError,
+        StateError,
+        WorkerError,
+    )
     from .launcher import distributed, launch
     from .logging import get_logger
     from .memory import find_executable_batch_size, free_memory
@@ -96,6 +103,7 @@ _HOMES: dict[str, str] = {
     "skip_first_batches": ".data",
     "ConfigurationError": ".errors",
     "DistributedOperationError": ".errors",
+    "NoExecutableBatchSizeError": ".errors",
     "StateError": ".errors",
     "WorkerError": ".errors",
     "distributed": ".launcher",
@@ -144,6 +152,7 @@ __all__ = [
     "CheckpointInfo",
     "ConfigurationError",
     "DistributedOperationError",
+    "NoExecutableBatchSizeError",
     "ProcessState",
     "StateError",
     "WorkerError",

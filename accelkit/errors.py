@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DistributedOperationError",
+    "NoExecutableBatchSizeError",
     "StateError",
     "WorkerError",
     "WorkerFailure",
@@ -28,6 +30,10 @@ class StateError(RuntimeError):
 
 class DistributedOperationError(RuntimeError):
     """A collective could not be applied because the ranks disagree about it."""
+
+
+class NoExecutableBatchSizeError(RuntimeError):
+    """``find_executable_batch_size`` ran out of memory with every batch size down to 1 (or started at 0)."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,11 @@ class WorkerError(RuntimeError):
             return f"the {what} failed without reporting an error"
         first = self.failures[0]
         lines = [
-            f"rank {first.rank} failed: {first.headline()}"
-            + (f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""),
+            _waited_for(first)
+            or (
+                f"rank {first.rank} failed: {first.headline()}"
+                + (f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else "")
+            ),
             "Failures, root cause first:",
         ]
         for f in self.failures:
@@ -93,6 +102,30 @@ class WorkerError(RuntimeError):
 
 
 _SIGTERM = 15  # what the agent sends the workers it stops after a failure
+
+# How a collective that gave up says whom it waited for (accelkit.collectives, accelkit._group's board).
+_GAVE_UP = re.compile(r"^(accelkit\.\w+ #\d+) failed on process \d+ of \d+: ")
+_WHERE = re.compile(r"^  - process (\d+): (.+)$", re.MULTILINE)
+
+
+def _waited_for(first: WorkerFailure) -> str:
+    """When the root failure is a rank that gave up waiting, a headline that names the rank it waited for.
+
+    That rank is the cause (it hangs, or is stuck elsewhere): it leads, with where it is; the
+    waiting rank's own error (the backend's timeout text) follows in the list. "" otherwise.
+    """
+    call = _GAVE_UP.match(first.message)
+    missing = re.search(r"^process(?:es)? ([\d, ]+) never reached it$", first.message, re.MULTILINE)
+    if not (first.lost_peer and call and missing):
+        return ""
+    where = dict(_WHERE.findall(first.message))
+    ranks = [r.strip() for r in missing.group(1).split(",")]
+    if len(ranks) == 1:
+        who, places = f"rank {ranks[0]}", f"it is {where.get(ranks[0], 'gone (no position known)')}"
+    else:
+        who = f"ranks {', '.join(ranks)}"
+        places = "; ".join(f"rank {r} is {where.get(r, 'gone (no position known)')}" for r in ranks)
+    return f"{who} never reached {call.group(1)}: {places}; rank {first.rank} gave up waiting"
 
 
 def _root_cause_order(f: WorkerFailure) -> tuple[bool, bool, float, int]:

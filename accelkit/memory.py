@@ -45,6 +45,7 @@ from typing_extensions import ParamSpec
 from . import _state
 from ._backends import select_backend
 from ._oom_agreement import Team, break_group, drop_frames, is_lost_peer, summary
+from .errors import NoExecutableBatchSizeError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -71,9 +72,10 @@ def find_executable_batch_size(function: Any = None, /, *, starting_batch_size: 
     The function takes the batch size as its first argument; callers leave it out. Out of
     memory means ``torch.OutOfMemoryError`` (or ``MemoryError``) or an allocator's message
     (CUDA, XPU, MPS, CPU). Memory is freed and the retry logged each time; each call starts
-    again from ``starting_batch_size``; past 1 a ``RuntimeError`` lists the sizes tried. Other
-    errors propagate at once. With several processes every rank always uses the same batch
-    size (see the module's notes); build the model and optimizer inside the function.
+    again from ``starting_batch_size``; past 1 a :class:`~accelkit.NoExecutableBatchSizeError`
+    (a ``RuntimeError``) lists the sizes tried. Other errors propagate at once. With several
+    processes every rank always uses the same batch size (see the module's notes); build the
+    model and optimizer inside the function.
 
     Example:
         >>> import accelkit as ak, torch
@@ -165,7 +167,7 @@ def _wrap(function: Callable[..., R], start: int) -> Callable[..., R]:
 
 def _run(fn: Callable[..., R], start: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
     if start == 0:  # as Accelerate: a zero start is a call that finds nothing, not a decoration error
-        raise RuntimeError(
+        raise NoExecutableBatchSizeError(
             f"accelkit.find_executable_batch_size: no executable batch size found for {_name(fn)}: "
             f"starting_batch_size=0; start from a positive size, e.g. starting_batch_size=128"
         )
@@ -195,7 +197,7 @@ def _run(fn: Callable[..., R], start: int, args: tuple[Any, ...], kwargs: dict[s
             team.recover(verdict, f"{_name(fn)}(batch_size={batch_size})", failure)
             where = f" on {verdict.describe('oom')}"
         if batch_size == 1:
-            raise RuntimeError(
+            raise NoExecutableBatchSizeError(
                 f"accelkit.find_executable_batch_size: no executable batch size found for {_name(fn)}: it ran out "
                 f"of memory with every batch size tried ({', '.join(map(str, tried))}). Last error{where}. Make "
                 f"the model or the inputs smaller."

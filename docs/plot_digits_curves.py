@@ -1,6 +1,9 @@
-"""Draw docs/digits_curves.png from the digits example's CSV (needs matplotlib; not a dependency).
+"""Draw docs/digits_curves.png from the digits example's CSV: its last run (the ``run`` column).
 
-python examples/digits.py --num-processes 2 && python docs/plot_digits_curves.py runs/digits/metrics.csv
+Needs matplotlib, which no extra of accelkit installs:
+
+    pip install matplotlib
+    python examples/digits.py --num-processes 2 && python docs/plot_digits_curves.py runs/digits/metrics.csv
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ from pathlib import Path
 
 
 def main(source: str, target: str = str(Path(__file__).with_name("digits_curves.png"))) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot_digits_curves.py needs matplotlib: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     with open(source, newline="") as f:
         rows = list(csv.DictReader(f))
+    last = rows[-1].get("run") if rows else None  # a file holds every run of the project; draw the last
+    rows = [r for r in rows if r.get("run") == last]
 
     def series(name: str) -> tuple[list[int], list[float]]:
         kept = [r for r in rows if r.get(name)]

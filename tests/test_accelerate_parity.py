@@ -156,7 +156,7 @@ def test_a_zero_starting_batch_size_fails_at_the_call_like_accelerate() -> None:
     def train(batch_size: int) -> None:
         raise AssertionError("never called")
 
-    with pytest.raises(RuntimeError, match=r"no executable batch size found.*starting_batch_size=0"):
+    with pytest.raises(ak.NoExecutableBatchSizeError, match=r"no executable batch size found.*starting_batch_size=0"):
         train()
 
 

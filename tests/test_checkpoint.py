@@ -423,6 +423,34 @@ def test_a_two_process_checkpoint_needs_two_processes(pool: WorkerPool, tmp_path
     with pytest.raises(CheckpointError, match=r"saved by 2 processes, this job has 1.*strict=False"):
         ak.load_state(tmp_path / "step-2", model=model)
     rng = torch.get_rng_state()
-    with pytest.warns(UserWarning, match="holds optimizer, scheduler, which this call does not restore"):
+    with pytest.warns(UserWarning) as caught:
         assert ak.load_state(tmp_path / "step-2", strict=False, model=model)["step"] == 2
+    messages = [str(w.message) for w in caught]
+    assert any("holds optimizer, scheduler, which this call does not restore" in m for m in messages), messages
+    skipped = [m for m in messages if "strict=False" in m]  # once, naming this rank and its file
+    assert len(skipped) == 1 and caught[messages.index(skipped[0])].filename == __file__, messages
+    assert f"rank 0 skipped {tmp_path / 'step-2' / 'rank-0.json'} (saved by 2 processes, this job has 1)" in skipped[0]
     assert torch.equal(torch.get_rng_state(), rng), "strict=False leaves the per-rank state of another world size"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bytes changed"])
+def test_a_damaged_checkpoint_names_the_newest_whole_one(tmp_path: Path, damage: str) -> None:
+    save_pair(tmp_path / "step-1", 1.0)
+    save_pair(tmp_path / "step-2", 2.0)
+    save_pair(tmp_path / "step-3", 3.0)
+    damaged = tmp_path / "step-3" / "model.pt"
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[: len(data) // 2] if damage == "truncated" else data[:-8] + b"\xff" * 8)
+    (tmp_path / "step-2" / "optimizer.pt").unlink()  # not whole either
+    # A truncated file is seen without reading it; changed bytes only by load_state's checksums.
+    expected = tmp_path / ("step-1" if damage == "truncated" else "step-3")
+    assert ak.latest_checkpoint(tmp_path) == expected
+    with pytest.raises(CheckpointError) as info:
+        ak.load_state(tmp_path / "step-3", model=small_model(0.0))
+    assert str(damaged) in str(info.value) and "the checkpoint is damaged" in str(info.value)
+    assert f"load the newest whole one there instead: ak.load_state({str(tmp_path / 'step-1')!r}, ...)" in str(
+        info.value
+    )
+    (tmp_path / "step-1" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"no other whole checkpoint is in {tmp_path}"):
+        ak.load_state(tmp_path / "step-3", model=small_model(0.0))

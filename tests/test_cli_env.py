@@ -111,6 +111,7 @@ def test_env_prints_versions_and_sections(capsys: pytest.CaptureFixture[str], mo
     assert f"- CPUs: {os.cpu_count()}" in out
     assert "### Config\n- file: none (ACCELKIT_CONFIG_FILE is empty)\n" in out  # the suite sets it empty
     assert "- ACCELKIT_LOG_LEVEL=debug\n" in out
+    assert "### Collectives\n- timeout: a collective that waits 600 s for the other processes fails the job" in out
     assert "### Warnings for 1 process on this node\n" in out
 
 

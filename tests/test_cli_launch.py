@@ -260,6 +260,7 @@ def test_flags_and_arguments_reach_every_rank(tmp_path: Path) -> None:
         assert r["argv"] == [PROBE, "a", "-b", "--c"] and r["path0"] == str(SCRIPTS)
     assert "accelkit: launching 2 process(es) on node 0 of 1 (world size 2)" in err
     assert "precision = 'bf16' (flag)" in err
+    assert "accelkit: a collective that waits 600 s for the other processes fails the job (timeout, default;" in err
 
 
 @pytest.mark.distributed
@@ -272,6 +273,7 @@ def test_a_failing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
     trace = report[report.index("Traceback (most recent call last):") :].splitlines()
     assert trace[1].strip().startswith(f'File "{PROBE}"'), "the traceback starts in the user's script"
     assert "accelkit/cli" not in err and "runpy" not in err, "no traceback of the launcher itself"
+    assert "a collective that waits" not in err, "the timeout is said with --debug and by accelkit env, not each time"
 
 
 @pytest.mark.distributed
@@ -294,6 +296,24 @@ def test_a_module_runs_as_main_with_its_arguments_and_a_share_of_the_cores(tmp_p
     assert {r["threads"] for r in reports} == {str(max(1, (os.cpu_count() or 1) // 2))}
 
 
+@pytest.mark.parametrize("how", ["script", "module", "package"])
+def test_a_syntax_error_is_reported_once_before_any_worker_starts(tmp_path: Path, how: str) -> None:
+    broken = "import sys\n\ndef train(:\n    pass\n"
+    if how == "package":
+        (tmp_path / "pkg").mkdir()
+        (tmp_path / "pkg" / "__init__.py").write_text("")
+        path, target = _write(tmp_path / "pkg" / "__main__.py", broken), ["-m", "pkg"]
+    else:
+        path = _write(tmp_path / "broken.py", broken)
+        target = ["-m", "broken"] if how == "module" else [path]
+    started = time.monotonic()
+    code, _, err = _launch(tmp_path, "-n", "2", "--cpu", *target, cwd=tmp_path)
+    assert code == 1 and time.monotonic() - started < 60, err
+    assert err.count("SyntaxError") == 1 and err.count("def train(:") == 1, err
+    assert f'accelkit launch: error: {path} cannot run, nothing was started:\n  File "{path}", line 3' in err
+    assert "Traceback" not in err and "rank" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
@@ -313,18 +333,20 @@ def test_two_nodes_form_one_group_on_loopback(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path, rdzv: str) -> None:
     port = str(free_port())
     # More processes than cores, for the launch warning: none starts, the rendezvous fails first.
     crowd = str(len(os.sched_getaffinity(0)) + 1)
     started = time.monotonic()
     code, _, err = _launch(
         tmp_path, "--num-nodes", "2", "--node-rank", "0", "--main-process-ip", "127.0.0.1",
-        "--main-process-port", port, "--rdzv-timeout", "5", "-n", crowd, "--cpu", PROBE,
+        "--main-process-port", port, "--rdzv-timeout", "5", "--rdzv-backend", rdzv, "-n", crowd, "--cpu", PROBE,
     )  # fmt: skip
     assert time.monotonic() - started < 60
     assert code == 1
-    assert f"node 0: node rank(s) 1 of 2 did not join the rendezvous at 127.0.0.1:{port} within 5 s" in err
+    rendezvous = "the rendezvous" if rdzv == "static" else "the c10d rendezvous"
+    assert f"node 0: node rank(s) 1 of 2 did not join {rendezvous} at 127.0.0.1:{port} within 5 s" in err, err
     assert "Traceback" not in err and not list(tmp_path.glob("rank*.json"))
     assert f"accelkit: warning: {crowd} processes on" in err
 

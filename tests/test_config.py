@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import accelkit as ak
 from accelkit._options import DEFAULT_TIMEOUT
@@ -485,7 +486,26 @@ def test_write_basic_config(tmp_path: Path) -> None:
         ak.write_basic_config("no", path)
     ak.write_basic_config("no", path, cpu=True, overwrite=True)
     assert _config.load_config(path).state["precision"] == "no"
-    assert _config.load_config(path).launch["num_processes"] == 1  # cpu: one process
+    assert _config.load_config(path).launch["num_processes"] == 2  # cpu: two processes, as the examples start
+
+
+# What the examples start (examples/digits.py's default): every GPU, else 2 CPU processes.
+EXAMPLES_PROCESSES = torch.cuda.device_count() or 2
+
+
+def test_config_default_proposes_what_the_examples_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `accelkit config default`, then `accelkit test` (the README's next line) checks this many processes.
+    assert cli(["config", "default", "--config-file", str(tmp_path / "default.yaml")]) == 0
+    assert _config.load_config(tmp_path / "default.yaml").launch["num_processes"] == EXAMPLES_PROCESSES
+    assert cli(["config", "default", "--config-file", str(tmp_path / "cpu.yaml"), "--cpu"]) == 0
+    assert _config.load_config(tmp_path / "cpu.yaml").launch["num_processes"] == 2
+    # Interactive, every default taken (Enter): the same number, shown in brackets.
+    prompts = _answers(monkeypatch, [""] * 7)
+    assert cli(["config", "--config-file", str(tmp_path / "asked.yaml")]) == 0
+    assert prompts[1].endswith(f"[{EXAMPLES_PROCESSES}]: "), prompts[1]
+    assert _config.load_config(tmp_path / "asked.yaml").launch["num_processes"] == EXAMPLES_PROCESSES
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,8 @@ def test_digits_example_reaches_95_percent_on_what_the_machine_has(tmp_path: Pat
     accuracy = float(done.stdout.strip().rsplit(" ", 1)[-1])
     assert accuracy >= 0.95
     rows = (tmp_path / "digits" / "metrics.csv").read_text().splitlines()  # rank 0's curves
-    assert rows[0] == "step,train/loss,train/lr,eval/accuracy,epoch" and rows[-1].endswith(",8")
-    assert float(rows[-1].split(",")[3]) == pytest.approx(accuracy, abs=1e-3)  # printed with 3 decimals
+    assert rows[0] == "run,step,train/loss,train/lr,eval/accuracy,epoch" and rows[-1].endswith(",8")
+    assert float(rows[-1].split(",")[4]) == pytest.approx(accuracy, abs=1e-3)  # printed with 3 decimals
     assert list((tmp_path / "digits").glob("events.out.tfevents.*"))
 
 

@@ -92,8 +92,29 @@ def test_launch_with_the_same_options() -> None:
     assert ak.launch(options_seen, num_processes=2, cpu=True, precision="fp16") == (0, "fp16", 1, False)
 
 
-def test_max_restarts_restarts_the_group() -> None:
-    assert run_distributed(crash_first_attempt, max_restarts=1) == [1, 1]
+def test_max_restarts_restarts_the_group_and_says_why(capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_distributed(crash_first_attempt, max_restarts=2) == [1, 1]
+    err = capfd.readouterr().err
+    # One line names the failed rank and its exception; the first attempt's traceback follows it.
+    line = "accelkit: rank 1 failed: RuntimeError: transient failure; restarting (1 of 2)\n"
+    assert err.count(line) == 1 and "restarting (2 of 2)" not in err, err[-3000:]
+    trace = err[err.index(line) + len(line) :].splitlines()
+    assert trace[0] == "      Traceback (most recent call last):" and "in crash_first_attempt" in trace[1], trace[:4]
+    assert 'raise RuntimeError("transient failure")' in err
+
+
+def restart_and_log(project_dir: str) -> int:
+    attempt = ak.state().restart_count
+    with ak.init_trackers("restarts", log_with="csv", project_dir=project_dir):
+        ak.log({"attempt": attempt}, step=attempt)  # resumed from a checkpoint: its steps go on
+    return crash_first_attempt()
+
+
+def test_a_restarted_job_keeps_its_tracking_run_and_a_new_job_starts_the_next(tmp_path: Path) -> None:
+    for _ in range(2):
+        assert run_distributed(restart_and_log, (str(tmp_path),), max_restarts=1) == [1, 1]
+    rows = (tmp_path / "restarts" / "metrics.csv").read_text().splitlines()
+    assert rows == ["run,step,attempt", "1,0,0", "1,1,1", "2,0,0", "2,1,1"]
 
 
 def test_without_restarts_the_failure_is_reported() -> None:

@@ -79,8 +79,9 @@ def test_the_bare_decorator_starts_at_128() -> None:
 
 def test_no_executable_size_lists_the_sizes_and_chains_the_last_oom() -> None:
     fits = Fits(limit=0)
-    with pytest.raises(RuntimeError, match="no executable batch size") as info:
+    with pytest.raises(ak.NoExecutableBatchSizeError, match="no executable batch size") as info:
         ak.find_executable_batch_size(starting_batch_size=8)(fits)()
+    assert isinstance(info.value, RuntimeError)  # as Accelerate's, which raises a bare RuntimeError
     assert "(8, 4, 2, 1)" in str(info.value)
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
     assert "batch_size=1" in str(info.value.__cause__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -222,6 +223,12 @@ def test_an_editable_install_is_visible_to_type_checkers(tmp_path: Path) -> None
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
+    # --system-site-packages sees the base interpreter's packages; run from a venv, this one's (torch,
+    # hatchling) are elsewhere: a path file makes them visible too, whichever interpreter runs the test.
+    where = [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    site_dir = Path(subprocess.run(where, capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    ours = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    (site_dir / "this-interpreters-packages.pth").write_text("".join(f"{d}\n" for d in ours if os.path.isdir(d)))
     install = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
     done = subprocess.run(install, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr

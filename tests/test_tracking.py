@@ -73,16 +73,16 @@ def test_csv_and_jsonl_rows_are_exact_and_a_new_name_widens_the_csv(tmp_path: Pa
     with (run.directory / "metrics.csv").open(newline="") as f:
         rows = list(csv.reader(f))
     assert rows == [
-        ["step", "loss", "n", "eval/acc"],
-        ["0", "0.5", "3", ""],
-        ["1", "0.25", "", "0.75"],
-        ["2", "nan", "", ""],
+        ["run", "step", "loss", "n", "eval/acc"],
+        ["1", "0", "0.5", "3", ""],
+        ["1", "1", "0.25", "", "0.75"],
+        ["1", "2", "nan", "", ""],
     ]
     lines = [json.loads(line) for line in (run.directory / "metrics.jsonl").read_text().splitlines()]
     assert lines == [
-        {"step": 0, "loss": 0.5, "n": 3},
-        {"step": 1, "loss": 0.25, "eval/acc": 0.75},
-        {"step": 2, "loss": "nan"},
+        {"run": 1, "step": 0, "loss": 0.5, "n": 3},
+        {"run": 1, "step": 1, "loss": 0.25, "eval/acc": 0.75},
+        {"run": 1, "step": 2, "loss": "nan"},
     ]
     assert json.loads((run.directory / "config.json").read_text()) == {"lr": 0.1, "tags": ["a"]}
 
@@ -95,18 +95,35 @@ def test_a_step_key_in_the_values_is_the_step_as_accelerate_allows(tmp_path: Pat
         ak.log({"perplexity": 2.5})  # one more than the last
         with pytest.raises(ValueError, match=r"values\['step'\]=30 but step=31.*drop the key, or pass the same"):
             ak.log({"perplexity": 2.0, "step": 30}, step=31)
-    assert (run.directory / "metrics.csv").read_text().splitlines() == ["step,perplexity", "10,3.5", "20,3.0", "21,2.5"]
+    assert (run.directory / "metrics.csv").read_text().splitlines() == [
+        "run,step,perplexity",
+        "1,10,3.5",
+        "1,20,3.0",
+        "1,21,2.5",
+    ]
     lines = [json.loads(line) for line in (run.directory / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [10, 20, 21]
 
 
-def test_a_second_run_of_the_same_project_continues_the_files(tmp_path: Path) -> None:
-    for first in (0, 2):
-        with ak.init_trackers("again", log_with="csv", project_dir=tmp_path):
-            ak.log({"loss": 1.0}, step=first)
+def test_a_second_run_of_the_same_project_continues_the_files_as_the_next_run(tmp_path: Path) -> None:
+    for _ in range(2):  # each run's steps start again at 0: the run column keeps them apart
+        with ak.init_trackers("again", log_with=["csv", "jsonl"], project_dir=tmp_path):
+            ak.log({"loss": 1.0}, step=0)
             ak.log({"loss": 0.5, "acc": 1})
     rows = (tmp_path / "again" / "metrics.csv").read_text().splitlines()
-    assert rows == ["step,loss,acc", "0,1.0,", "1,0.5,1", "2,1.0,", "3,0.5,1"]
+    assert rows == ["run,step,loss,acc", "1,0,1.0,", "1,1,0.5,1", "2,0,1.0,", "2,1,0.5,1"]
+    lines = [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["run"], line["step"]) for line in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_a_file_from_before_the_run_column_is_continued(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.csv").write_text("step,loss\r\n0,1.0\r\n")
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    with ak.init_trackers("old", log_with=["csv", "jsonl"], project_dir=tmp_path):
+        ak.log({"loss": 0.5}, step=0)
+    assert (tmp_path / "old" / "metrics.csv").read_text().splitlines() == ["run,step,loss", ",0,1.0", "1,0,0.5"]
+    assert (tmp_path / "old" / "metrics.jsonl").read_text().splitlines()[1] == '{"run": 1, "step": 0, "loss": 0.5}'
 
 
 def test_options_come_from_init_environment_and_the_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,6 +184,8 @@ def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path: Path) -
             ak.log({"step": 3}, step=4)
         with pytest.raises(TypeError, match=r"values\['step'\]=1.5 is taken as the step"):
             ak.log({"step": 1.5})
+        with pytest.raises(ValueError, match="'run' is the run number of every row"):
+            ak.log({"run": 2})
         with pytest.raises(TypeError, match=r"step=1.5"):
             ak.log({"loss": 1.0}, step=1.5)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"step=-1"):
@@ -175,7 +194,7 @@ def test_bad_input_gets_errors_that_name_the_value_and_the_fix(tmp_path: Path) -
             ak.get_tracker("jsonl")
         with pytest.raises(ValueError, match="unknown tracker"):
             ak.get_tracker("comet")
-    assert (tmp_path / "p" / "metrics.csv").read_text() == "step\n"  # nothing bad was written
+    assert (tmp_path / "p" / "metrics.csv").read_text() == "run,step\n"  # nothing bad was written
 
 
 def test_a_tracker_that_is_not_installed_names_the_install_line(
@@ -208,7 +227,7 @@ def test_the_context_manager_ends_the_run_also_on_an_exception(tmp_path: Path) -
         _ = 1 / 0
     with pytest.raises(RuntimeError, match="no tracker to write to"):
         ak.log({"loss": 1.0})
-    assert (tmp_path / "boom" / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'
+    assert (tmp_path / "boom" / "metrics.jsonl").read_text() == '{"run": 1, "step": 0, "loss": 1.0}\n'
 
 
 def test_end_training_and_reset_state_close_the_trackers(tmp_path: Path) -> None:
@@ -239,7 +258,7 @@ def test_interpreter_exit_after_an_uncaught_error_flushes_and_closes(tmp_path: P
     )
     assert done.returncode == 1, done.stderr
     assert _scalars(tmp_path / "exit") == {"loss": [(7, 2.0)]}
-    assert (tmp_path / "exit" / "metrics.csv").read_text().splitlines() == ["step,loss", "7,2.0"]
+    assert (tmp_path / "exit" / "metrics.csv").read_text().splitlines() == ["run,step,loss", "1,7,2.0"]
 
 
 def test_importing_accelkit_and_every_public_name_loads_no_tracker_or_tqdm() -> None:

@@ -39,10 +39,10 @@ def test_only_rank_0_writes_one_run(pool: WorkerPool, tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["config.json", "metrics.csv", "metrics.jsonl"]
     with (tmp_path / "two" / "metrics.csv").open(newline="") as f:
         assert list(csv.reader(f)) == [
-            ["step", "loss", "rank"],
-            ["0", "0.0", "0"],
-            ["1", "1.0", "0"],
-            ["2", "2.0", "0"],
+            ["run", "step", "loss", "rank"],
+            ["1", "0", "0.0", "0"],
+            ["1", "1", "1.0", "0"],
+            ["1", "2", "2.0", "0"],
         ]
     assert json.loads((tmp_path / "two" / "config.json").read_text()) == {"world": 2}
 
@@ -117,11 +117,11 @@ def test_a_crash_on_rank_1_leaves_rank_0s_files_flushed_and_readable(tmp_path: P
     assert caught.value.failures[0].rank == 1
     run = tmp_path / "crash"
     assert (run / "metrics.csv").read_text().splitlines() == [
-        "step,loss",
-        "0,1.0",
-        "1,0.5",
-        "2,0.3333333333333333",
-        "3,0.25",
+        "run,step,loss",
+        "1,0,1.0",
+        "1,1,0.5",
+        "1,2,0.3333333333333333",
+        "1,3,0.25",
     ]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
     if HAS_TENSORBOARD:
@@ -152,4 +152,4 @@ def test_under_accelkit_launch_the_flag_picks_the_tracker_and_one_bar_is_drawn(t
         assert "bar-of-rank0" in done.stderr and "3/3" in done.stderr
     assert "bar-of-rank1" not in done.stderr
     rows = (tmp_path / "probe" / "metrics.csv").read_text().splitlines()
-    assert rows == ["step,loss,rank", "0,1.0,0", "1,0.5,0", "2,0.3333333333333333,0"]
+    assert rows == ["run,step,loss,rank", "1,0,1.0,0", "1,1,0.5,0", "1,2,0.3333333333333333,0"]

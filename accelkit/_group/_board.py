@@ -53,10 +53,12 @@ class Position:
             state = f"at {self.label} (waiting in it for {_seconds(now - self.since)})"
         else:
             state = f"at {self.label} (left it {_seconds(now - self.since)} ago)"
-        stale = now - self.published
-        heard = f"; last heard from {_seconds(stale)} ago" if stale > 10 else ""
+        # Published when it changed: a rank that stays on one line (time.sleep, a long step) is there
+        # since then, alive or not; "last heard from ... ago" read as dead.
+        there = now - self.published
+        since = f" (there for {_seconds(there)})" if there > 10 else ""
         doing = f", in {self.doing}" if self.doing else ""
-        return f"{state}{doing}, running {self.where}{heard}"
+        return f"{state}{doing}, running {self.where}{since}"
 
 
 def publish(store: Any, prefix: str, position: Position) -> None:

@@ -165,13 +165,18 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The most recently committed checkpoint directly under ``root``, or None if there is none.
+    """The most recently committed checkpoint directly under ``root`` that is whole, or None if there is none.
+
+    A checkpoint whose manifest is damaged, or one of whose files is missing or of another size
+    than the manifest says (truncated, overwritten), is skipped. The files' checksums are not
+    read here (that would read every byte): ``load_state`` checks them, and when one fails it
+    names the newest whole checkpoint to load instead.
 
     Example:
         >>> import accelkit as ak
         >>> ak.latest_checkpoint("checkpoints")  # e.g. PosixPath('checkpoints/step-300')  # doctest: +SKIP
     """
-    found = _manifest.committed(Path(root))
+    found = _manifest.committed(Path(root), whole=True)
     return found[-1][1] if found else None
 
 

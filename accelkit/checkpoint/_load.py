@@ -43,7 +43,12 @@ def survey(
     path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool
 ) -> tuple[dict[str, Any], list[str]]:
     """The manifest, checked against ``objects`` and this job; and the files this rank verifies."""
-    body = _manifest.read(path)
+    try:
+        body = _manifest.read(path)
+    except CheckpointError as exc:
+        if not (path / _manifest.MANIFEST).is_file():  # not a checkpoint at all: nothing to suggest
+            raise
+        raise CheckpointError(f"{exc}; {_manifest.instead(path)}") from None
     _warn_versions(path, body, st)
     missing = sorted(set(objects) - set(body.get("objects", [])))
     if missing:
@@ -82,7 +87,7 @@ class Verification:
             except OSError as exc:
                 problem = f"cannot be read ({exc.strerror})"
             if problem:
-                self.problem = f"{path / name} {problem}; the checkpoint is damaged: load an older one"
+                self.problem = f"{path / name} {problem}; the checkpoint is damaged: {_manifest.instead(path)}"
                 return
 
     def join(self) -> None:
@@ -116,7 +121,7 @@ def read(path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.P
             if unlisted:
                 raise CheckpointError(f"{path / unlisted[0]} is missing from the manifest; the checkpoint is damaged")
             continue
-        state = _load_file(path / f"{name}.pt")  # mapped from the file
+        state = _load_file(path, f"{name}.pt")  # mapped from the file
         # A module's load_state_dict copies from the mapping; anything else keeps what it is given: its own copy,
         # made here, while the files are being verified.
         states[name] = state if isinstance(unwrapped(objects[name]), nn.Module) else _files.owned(state)
@@ -128,23 +133,28 @@ def tensor_values(path: Path, body: dict[str, Any]) -> dict[str, Any]:
     """The values saved beside tensors (``tensor-values.pt``), read into memory of their own."""
     if not body["tensor_values"]:
         return {}
-    found = _files.owned(_load_file(path / VALUES))
+    found = _files.owned(_load_file(path, VALUES))
     if not (isinstance(found, dict) and sorted(found) == sorted(body["tensor_values"])):
         raise CheckpointError(f"{path / VALUES} does not hold the values {body['tensor_values']} the manifest names")
     return dict(found)
 
 
-def _load_file(path: Path) -> Any:
+def _load_file(path: Path, name: str) -> Any:
     try:
-        return _files.load_torch(path)
+        return _files.load_torch(path / name)
     except Exception as exc:
-        raise CheckpointError(f"{path} was refused: {str(exc).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"{path / name} was refused: {str(exc).splitlines()[0]}; {_manifest.instead(path)}"
+        ) from None
 
 
 def _mine(
     path: Path, body: dict[str, Any], st: _state.ProcessState, strict: bool, rank_file: str
 ) -> _rank_state.RankState | None:
+    what = "its RNG states, grad scaler and dataloader positions were not restored"
     if rank_file not in body["files"] or body["world_size"] != st.world_size:  # else strict=False: not our ranks
+        saved = f"saved by {body['world_size']} processes, this job has {st.world_size}"
+        _skipped(path, st, f"{path / rank_file} ({saved}): {what}")
         return None
     try:
         mine = _rank_state.decode(json.loads((path / rank_file).read_bytes()), st.rank)
@@ -154,6 +164,7 @@ def _mine(
     if problem and strict:
         raise CheckpointError(f"{path / rank_file} does not fit this run: {problem}")
     if problem:
+        _skipped(path, st, f"{path / rank_file} ({problem}): {what}")
         return None
     if mine.numpy is not None and _rank_state.numpy_missing():
         if strict:
@@ -161,8 +172,20 @@ def _mine(
                 f"{path / rank_file} holds NumPy's random state, but numpy cannot be imported here, so it "
                 f"cannot be restored: pip install numpy, or pass strict=False to load everything else"
             )
+        _skipped(path, st, f"NumPy's random state in {path / rank_file} (numpy cannot be imported here)")
         mine = dataclasses.replace(mine, numpy=None)
     return mine
+
+
+def _skipped(path: Path, st: _state.ProcessState, what: str) -> None:
+    """``strict=False`` left something out: say what, on the rank it concerns, at the user's call."""
+    frame = _frames.user_frame()
+    warnings.warn_explicit(
+        f"accelkit.load_state({os.fspath(path)!r}, strict=False): rank {st.rank} skipped {what}",
+        UserWarning,
+        frame.f_code.co_filename if frame else "<unknown>",
+        frame.f_lineno if frame else 0,
+    )
 
 
 def apply(call: str, path: Path, name: str, obj: Any, loaded: Loaded, owners: dict[str, Any]) -> None:

@@ -140,8 +140,12 @@ def _is_plain(name: Any) -> bool:
     return len(parts) <= 2 and all(part not in ("", ".", "..") for part in parts)
 
 
-def committed(root: Path) -> list[tuple[int, Path]]:
-    """The committed checkpoints directly under ``root``: (commit time in ns, directory), oldest first."""
+def committed(root: Path, *, whole: bool = False) -> list[tuple[int, Path]]:
+    """The committed checkpoints directly under ``root``: (commit time in ns, directory), oldest first.
+
+    ``whole``: only those whose files are all there at the sizes the manifest says (a cheap check,
+    no file is read; the checksums are checked when one is loaded).
+    """
     found = []
     try:
         entries = list(os.scandir(root))
@@ -154,6 +158,28 @@ def committed(root: Path) -> list[tuple[int, Path]]:
             body = read(Path(entry.path))
         except CheckpointError:
             continue
+        if whole and missing_or_cut(Path(entry.path), body):
+            continue
         created = body.get("created_ns")
         found.append((created if isinstance(created, int) else 0, Path(entry.path)))
     return sorted(found)
+
+
+def missing_or_cut(directory: Path, body: dict[str, Any]) -> str:
+    """The first file of the checkpoint that is missing or not the size its manifest says; "" when none."""
+    for name, record in body["files"].items():
+        try:
+            size = (directory / name).stat().st_size
+        except OSError:
+            return f"{directory / name} is missing"
+        if size != record["size"]:
+            return f"{directory / name} is {size} bytes, not {record['size']}"
+    return ""
+
+
+def instead(damaged: Path) -> str:
+    """What to load instead of the damaged checkpoint ``damaged``: the newest whole one beside it."""
+    others = [path for _, path in committed(damaged.parent, whole=True) if path.resolve() != damaged.resolve()]
+    if not others:
+        return f"no other whole checkpoint is in {damaged.parent}"
+    return f"load the newest whole one there instead: ak.load_state({str(others[-1])!r}, ...)"

@@ -26,6 +26,7 @@ __all__ = [
     "kernel_warning",
     "launch_warnings",
     "oversubscription_warning",
+    "timeout_sentence",
 ]
 
 # A GPU as the checks see it: its model name and its memory in bytes (None: not known).
@@ -105,6 +106,19 @@ def launch_warnings(num_local_processes: int) -> list[str]:
         oversubscription_warning(num_local_processes, usable_cpus()),
     ]
     return [w for w in found if w]
+
+
+def timeout_sentence(timeout: float, source: str) -> str:
+    """What the collective timeout means, for ``accelkit env`` and ``accelkit launch --debug``.
+
+    Example:
+        >>> timeout_sentence(600, "default")[:56]
+        'a collective that waits 600 s for the other processes f'
+    """
+    return (
+        f"a collective that waits {timeout:g} s for the other processes fails the job "
+        f"(timeout, {source}; set ACCELKIT_TIMEOUT or `timeout:` in the config file to change it)"
+    )
 
 
 def kernel_warning(release: str) -> str | None:

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     basic = modes.add_parser(
         "default",
         help="write a sensible file without questions",
-        description="Write a config file without questions: one process per CUDA device (else one).",
+        description="Write a config file without questions: one process per GPU, else 2 CPU processes.",
     )
     basic.add_argument("--config-file", metavar="PATH", default=argparse.SUPPRESS, help=where)
     basic.add_argument("--precision", choices=PRECISIONS, default="no", help="mixed precision (default: no)")
@@ -73,10 +73,12 @@ def interview() -> dict[str, object]:
         == "several"
     )
     from .._backends import accelerator_count  # imports torch: only once the questions start
+    from ..config import proposed_num_processes
 
     gpus = accelerator_count()
+    processes = str(proposed_num_processes(gpus))
     values: dict[str, object] = {
-        "num_processes": _ask("How many processes on each machine (one per GPU)?", str(max(gpus, 1)), _integer(1)),
+        "num_processes": _ask("How many processes on each machine (one per GPU, else 2)?", processes, _integer(1)),
         "num_nodes": 1,
     }
     if several:

@@ -2,7 +2,7 @@
 
 The machine and its versions, the config file in effect, the network interfaces (and the one a
 multi-node launch binds to), the installed experiment trackers, the ``ACCELKIT_*`` variables that
-are set, and the warnings ``accelkit launch`` would print.
+are set, the collective timeout in effect, and the warnings ``accelkit launch`` would print.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     _print_items(_sysinfo.facts())
     print("\n### Config")
     num_processes, master_addr = 1, "127.0.0.1"
+    config: ConfigFile | None = None
     try:
         config = config_in_effect(args.config_file)
     except (OSError, ValueError, ImportError) as exc:  # a broken config file is worth reporting, not a crash
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         _print_items(describe_config(config))
         num_processes = config.launch.get("num_processes", 1) if config is not None else 1  # type: ignore[assignment]
         master_addr = str(config.launch.get("master_addr", master_addr)) if config is not None else master_addr
+    print("\n### Collectives")
+    _print_items(describe_timeout(config))
     print("\n### Network")
     _print_items(describe_network(master_addr))
     print("\n### Trackers (ak.init_trackers)")
@@ -74,6 +77,18 @@ def describe_config(config: ConfigFile | None) -> dict[str, str]:
     if config.ignored:
         out["ignored"] = ", ".join(f"{k} ({config.notes[k]})" if k in config.notes else k for k in config.ignored)
     return out
+
+
+def describe_timeout(config: ConfigFile | None) -> dict[str, str]:
+    """How long a collective waits for the other processes before the job fails, and where that came from."""
+    from ..config import resolve
+    from ._sysinfo import timeout_sentence
+
+    try:
+        resolved = resolve({}, call="accelkit env", config=config)
+    except (ValueError, ImportError) as exc:  # a bad ACCELKIT_TIMEOUT: say so, the rest of the report still helps
+        return {"timeout": f"unknown ({exc})"}
+    return {"timeout": timeout_sentence(resolved.options.timeout, resolved.sources["timeout"])}
 
 
 def describe_network(master_addr: str) -> dict[str, str]:

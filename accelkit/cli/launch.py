@@ -10,14 +10,18 @@ variables. Nothing here imports torch until a launch really starts.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
+import traceback
+import warnings
 from dataclasses import replace
 
 from .._options import DEFAULT_RDZV_TIMEOUT, DEFAULT_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES, TRACKERS
 from ..config import config_in_effect
 from ..errors import ConfigurationError
 from ._plan import LaunchPlan, describe, local_processes, plan_launch, print_warnings
+from ._sysinfo import timeout_sentence
 from ._types import int_at_least
 
 _EPILOG = """\
@@ -169,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for note in plan.notes:
         print(f"accelkit: note: {note}", file=sys.stderr)
+    problem = syntax_error(plan)
+    if problem:  # said once, here, rather than by every worker after each started
+        print(f"accelkit launch: error: {problem}", file=sys.stderr)
+        return 1
     try:
         if plan.launch.mpirun:
             from ._mpirun import run_mpirun  # torch-free: mpirun starts the processes
@@ -178,6 +186,42 @@ def run(args: argparse.Namespace) -> int:
     except ConfigurationError as exc:
         print(f"accelkit launch: error: {exc}", file=sys.stderr)
         return 2
+
+
+def syntax_error(plan: LaunchPlan) -> str:
+    """The script's (or module's) syntax error, as Python prints it, before any worker starts; "" if none."""
+    path = _source_file(plan)
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarnings: each worker says them, as python would
+            compile(f.read(), path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = "".join(traceback.format_exception_only(exc)).rstrip()
+        return f"{path} cannot run, nothing was started:\n{where}"
+    except (OSError, ValueError):  # unreadable, or null bytes: the worker reports it as python would
+        return ""
+    return ""
+
+
+def _source_file(plan: LaunchPlan) -> str | None:
+    """The file ``python script.py`` (or ``python -m module``) would run, without importing anything."""
+    if not plan.module:
+        return plan.target
+    from importlib.machinery import PathFinder
+
+    locations: list[str] | None = [os.getcwd(), *sys.path[1:]]
+    spec = None
+    for part in [*plan.target.split("."), "__main__"]:
+        if locations is None:  # a plain module: no __main__ to look for
+            break
+        spec = PathFinder.find_spec(part, locations)
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
+    origin = spec.origin if spec is not None else None
+    return origin if origin is not None and origin.endswith(".py") else None
 
 
 def _run_agent(plan: LaunchPlan) -> int:
@@ -191,14 +235,10 @@ def _run_agent(plan: LaunchPlan) -> int:
     debug = bool(plan.options.get("debug"))
     settings = replace(plan.launch, num_processes=local_processes(plan))
     print_warnings(settings.num_processes or 1)
-    timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)
-    where = plan.sources.get("timeout", "default")
-    print(
-        f"accelkit: a collective that waits {timeout:g} s for the other processes fails the job "
-        f"(timeout, {where}; set ACCELKIT_TIMEOUT or `timeout:` in the config file to change it)",
-        file=sys.stderr,
-    )
-    if debug:
+    if debug:  # said on every launch, it was noise; `accelkit env` shows it too
+        timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)
+        where = plan.sources.get("timeout", "default")
+        print(f"accelkit: {timeout_sentence(float(timeout), where)}", file=sys.stderr)  # type: ignore[arg-type]
         what = (
             f"{settings.num_processes} process(es) on node {settings.node_rank} of {settings.num_nodes} "
             f"(world size {settings.world_size})"

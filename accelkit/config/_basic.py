@@ -13,7 +13,21 @@ from .._options import is_int, validate
 from ..errors import ConfigurationError
 from ._file import default_config_path, write_config
 
-__all__ = ["write_basic_config"]
+__all__ = ["CPU_PROCESSES", "proposed_num_processes", "write_basic_config"]
+
+# Processes per machine proposed where there is no accelerator (or cpu=True): what the examples start,
+# so that `accelkit test` after `accelkit config default` checks a real group, not one process.
+CPU_PROCESSES = 2
+
+
+def proposed_num_processes(accelerators: int, cpu: bool = False) -> int:
+    """The processes per machine a config file gets by default: one per accelerator, else :data:`CPU_PROCESSES`.
+
+    Example:
+        >>> proposed_num_processes(0), proposed_num_processes(4), proposed_num_processes(4, cpu=True)
+        (2, 4, 2)
+    """
+    return (0 if cpu else accelerators) or CPU_PROCESSES
 
 
 def write_basic_config(
@@ -31,7 +45,8 @@ def write_basic_config(
         precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
         config_file: where to write; the default path
             (``${XDG_CONFIG_HOME:-~/.config}/accelkit/default_config.yaml``) when ``None``.
-        num_processes: processes per machine; one per CUDA device (else one) when ``None``.
+        num_processes: processes per machine; when ``None``, one per GPU (or other accelerator),
+            else 2 CPU processes (also with ``cpu=True``), as the examples start.
         cpu: run on CPU even when GPUs are present.
         overwrite: replace an existing file (otherwise that is an error).
         written_by: what the file's header says wrote it.
@@ -57,8 +72,8 @@ def write_basic_config(
             f"(`accelkit config default --force`) to replace it, or choose another config_file"
         )
     if num_processes is None:
-        from .._backends import local_device_count  # imports torch: only when asked to count
+        from .._backends import accelerator_count  # imports torch: only when asked to count
 
-        num_processes = local_device_count(cpu)
+        num_processes = proposed_num_processes(0 if cpu else accelerator_count(), cpu)
     values = {"num_processes": num_processes, "num_nodes": 1, **state, "gradient_accumulation_steps": 1}
     return write_config(values, path, written_by=written_by)

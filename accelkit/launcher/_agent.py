@@ -23,10 +23,10 @@ from typing import Any
 
 from .. import _env, _state
 from .._options import LaunchSettings
-from ._failures import collect_failures, record_failure
-from ._lifeline import die_with_parent
+from ._failures import RestartNotice, collect_failures, record_failure
+from ._lifeline import die_with_parent, reaper
 from ._netif import Route, route_to
-from ._nodes import NodeBeat, lost_nodes
+from ._nodes import NodeBeat, lost_nodes, nodes_seen
 from ._rendezvous import hosts_c10d_store, network_route, rendezvous_store
 from ._spec import Command, FunctionRef, Job
 from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
@@ -81,21 +81,39 @@ def run_workers(
         route, network_env = network_route(config)  # a wrong address or interface fails here, in seconds
         worker_env.update(network_env)
         with rendezvous_store(config, route) as (addr, port, run_id), _watch_nodes(config, addr, port, run_id) as beat:
-            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat)
-            with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
+            notice = RestartNotice(run_dir, config.max_restarts, tracebacks_shown=isinstance(target, Command))
+            launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat, notice)
+            # Spawned workers arm their own lifeline only once they run; forked ones at once.
+            watch = reaper(f"{_env.RUN_DIR}={run_dir}") if start_method != "fork" else contextlib.nullcontext()
+            with _quiet_agent(quiet), watch, _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
                 try:
                     return launch_agent(launch_config, entrypoint, agent_args)
                 except ChildFailedError as exc:
                     cause = lost_nodes(addr, port, run_id, config.num_nodes, config.node_rank) if beat else ""
                     raise collect_failures(run_dir, exc.failures, cause) from None
+                except RendezvousTimeoutError:  # c10d's own join timeout; the launchers' beats say who came
+                    seen = nodes_seen(addr, port, run_id, config.num_nodes) if beat else None
+                    raise TimeoutError(_not_joined(config, seen)) from None
     except RendezvousTimeoutError:
-        raise TimeoutError(
-            f"node {config.node_rank}: the {config.num_nodes} nodes did not all join the {config.rdzv_backend} "
-            f"rendezvous at {config.master_addr}:{config.master_port} within {config.rdzv_timeout:g} s. Start "
-            f"every node with the same master address and port, or allow longer."
-        ) from None
+        raise TimeoutError(_not_joined(config, None)) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _not_joined(config: LaunchSettings, seen: set[int] | None) -> str:
+    """The rendezvous timed out: which nodes never came, when the beats in the store tell."""
+    where = f"the {config.rdzv_backend} rendezvous at {config.master_addr}:{config.master_port}"
+    missing = sorted(set(range(config.num_nodes)) - seen) if seen else []
+    if not missing:
+        return (
+            f"node {config.node_rank}: the {config.num_nodes} nodes did not all join {where} within "
+            f"{config.rdzv_timeout:g} s. Start every node with the same master address and port, or allow longer."
+        )
+    return (
+        f"node {config.node_rank}: node rank(s) {', '.join(map(str, missing))} of {config.num_nodes} did not join "
+        f"{where} within {config.rdzv_timeout:g} s. Start each missing node with its node rank and the same "
+        f"master address and port, or allow longer with a larger rendezvous timeout."
+    )
 
 
 @contextlib.contextmanager
@@ -114,10 +132,23 @@ def _watch_nodes(config: LaunchSettings, addr: str, port: int, run_id: str) -> I
 
 
 def _launch_config(
-    config: LaunchSettings, endpoint: str, run_id: str, run_dir: str, route: Route | None, beat: NodeBeat | None
+    config: LaunchSettings,
+    endpoint: str,
+    run_id: str,
+    run_dir: str,
+    route: Route | None,
+    beat: NodeBeat | None,
+    on_start: Callable[[int], None],
 ) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
+
+    class AttemptLogs(DefaultLogsSpecs):
+        """torch's log folders; the agent asks for them as each attempt's workers start: ``on_start`` hears it."""
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+            on_start(int(envs[0].get("TORCHELASTIC_RESTART_COUNT", 0)) if envs else 0)
+            return super().reify(envs)
 
     seconds = math.ceil(config.rdzv_timeout)
     static = config.rdzv_backend == "static"
@@ -153,7 +184,7 @@ def _launch_config(
         max_restarts=config.max_restarts,
         monitor_interval=0.05,
         start_method=config.start_method or "spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "logs")),
+        logs_specs=AttemptLogs(log_dir=os.path.join(run_dir, "logs")),
     )
 
 

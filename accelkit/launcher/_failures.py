@@ -18,7 +18,7 @@ from typing import Any
 from .. import _env, _frames, _safe_io
 from ..errors import ConfigurationError, WorkerError, WorkerFailure
 
-__all__ = ["collect_failures", "exception_name", "lost_peer", "record_failure", "report_stop"]
+__all__ = ["RestartNotice", "collect_failures", "exception_name", "lost_peer", "record_failure", "report_stop"]
 
 
 def record_failure(run_dir: str, exc: BaseException, text: str | None = None) -> None:
@@ -110,6 +110,40 @@ def collect_failures(run_dir: str, agent_failures: dict[int, Any], cause: str = 
             )
         )
     return WorkerError(failures, cause=cause)
+
+
+class RestartNotice:
+    """Says why the agent restarts the workers: the failed rank, its exception, "restarting (k of N)".
+
+    Called as each attempt's workers start; from the second on, the failure that ended the attempt
+    before is read from the workers' records. Where the workers printed no traceback (``@ak.distributed``,
+    ``ak.launch``), the first failure's traceback follows its line, so that it is not lost when a later
+    attempt succeeds.
+    """
+
+    def __init__(self, run_dir: str, max_restarts: int, tracebacks_shown: bool) -> None:
+        self.run_dir, self.max_restarts, self.tracebacks_shown = run_dir, max_restarts, tracebacks_shown
+        self._said = 0  # the restarts already announced
+        self._read: set[str] = set()  # the attempts' folders already read
+
+    def __call__(self, restart: int) -> None:
+        if restart <= self._said:  # the first start, or a node joined (a restart that is no failure's)
+            return
+        self._said = restart
+        root = os.path.join(self.run_dir, "failures")
+        folders = sorted(os.listdir(root), key=lambda a: int(a[7:])) if os.path.isdir(root) else []
+        fresh = bool(folders) and folders[-1] not in self._read
+        self._read.update(folders)
+        failures = collect_failures(self.run_dir, {}).failures if fresh else []
+        if failures:
+            first = failures[0]
+            what = f"rank {first.rank} failed: {first.headline()}"
+        else:
+            what = "a worker ended without a report of its own (killed by a signal?)"
+        lines = [f"accelkit: {what}; restarting ({restart} of {self.max_restarts})"]
+        if failures and restart == 1 and not self.tracebacks_shown and failures[0].traceback:
+            lines += ["      " + line for line in failures[0].traceback.rstrip().splitlines()]
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def report_stop(exc: BaseException) -> int:

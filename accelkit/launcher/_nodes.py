@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["NodeBeat", "lost_nodes", "node_beat_period"]
+__all__ = ["NodeBeat", "lost_nodes", "node_beat_period", "nodes_seen"]
 
 PERIOD = 0.5  # seconds between two beats: 2 store writes a second per node, up to 32 nodes
 STORE_WRITES_PER_S = 64.0  # the records all nodes may write each second: beyond it, each beats less often
@@ -106,6 +106,14 @@ def lost_nodes(addr: str, port: int, run_id: str, num_nodes: int, node_rank: int
         f"{' and '.join(parts)} {were} lost: its launcher stopped answering (killed, or its machine or network "
         f"went down); the failures below followed from it"
     )
+
+
+def nodes_seen(addr: str, port: int, run_id: str, num_nodes: int) -> set[int] | None:
+    """The node ranks whose launcher has beaten in the store; None when the store does not answer."""
+    try:
+        return set(_records(_client(addr, port), [_key(run_id, k) for k in range(num_nodes)]))
+    except Exception:
+        return None
 
 
 def _records(store: Any, keys: list[str]) -> dict[int, dict[str, Any]]:

@@ -66,14 +66,15 @@ def init_trackers(
     ``ACCELKIT_LOG_WITH``, the config file, ``accelkit launch --log-with``. ``config`` (a dict,
     dataclass or ``argparse.Namespace``) is recorded as the run's hyper-parameters;
     ``init_kwargs={"wandb": {...}}`` go to each tracker's library. Files of an earlier run with
-    the same project name are continued, not replaced.
+    the same project name are continued, not replaced: the CSV and JSONL trackers number the runs
+    (a ``run`` column, 1, 2, ...; a job restarted by ``max_restarts`` keeps its run).
 
     Example:
         >>> import tempfile, accelkit as ak
         >>> with ak.init_trackers("demo", {"lr": 0.1}, log_with="csv", project_dir=tempfile.mkdtemp()) as run:
         ...     ak.log({"loss": 0.5}, step=0)
         >>> (run.directory / "metrics.csv").read_text().splitlines()
-        ['step,loss', '0,0.5']
+        ['run,step,loss', '1,0,0.5']
     """
     directory_name = _check_project(project_name)
     hparams = config_dict(config, _CALL)
@@ -124,7 +125,7 @@ def log(values: Mapping[str, Any], step: int | None = None) -> None:
         >>> with ak.init_trackers("demo", log_with="jsonl", project_dir=tempfile.mkdtemp()) as run:
         ...     ak.log({"loss": 0.5, "eval": {"acc": 1}})
         >>> (run.directory / "metrics.jsonl").read_text()
-        '{"step": 0, "loss": 0.5, "eval/acc": 1}\\n'
+        '{"run": 1, "step": 0, "loss": 0.5, "eval/acc": 1}\\n'
     """
     tracking = _state.current_tracking()
     if not tracking.is_main:

@@ -1,22 +1,26 @@
-"""The ``"csv"`` tracker: ``metrics.csv`` (a ``step`` column, then one per name) and ``config.json``.
+"""The ``"csv"`` tracker: ``metrics.csv`` (``run`` and ``step`` columns, then one per name) and ``config.json``.
 
 Standard library only. Each ``ak.log`` call is one row, flushed before it returns; a name seen
 for the first time adds a column (the file is rewritten once, atomically, with the wider
-header). A file left by an earlier run of the same project is continued, not replaced.
+header). A file left by an earlier run of the same project is continued, not replaced: the
+``run`` column tells the runs apart (1, 2, ...; a job restarted by ``max_restarts`` keeps its
+run, its steps go on).
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from .. import _safe_io
-from ._values import start_file_tracker
+from ._values import last_line, next_run, start_file_tracker
 
 __all__ = ["CsvTracker", "start"]
+
+_KEYS = ["run", "step"]
 
 
 class CsvTracker:
@@ -24,12 +28,18 @@ class CsvTracker:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.columns: list[str] = ["step"]
+        self.columns: list[str] = list(_KEYS)
+        last = None
         if path.is_file() and path.stat().st_size:
             with path.open(newline="", encoding="utf-8") as f:
                 self.columns = next(csv.reader(f), []) or self.columns
+            if self.columns[:2] != _KEYS:  # written before runs were told apart: their rows get no run
+                self.columns = _KEYS + [c for c in self.columns if c != "step"]
+                self._rewrite(lambda row: ["", *row])
+            last = _int(next(csv.reader([last_line(path)]), [""])[0])
+        self.run = next_run(last)
         self._open()
-        if self.columns == ["step"] and not path.stat().st_size:
+        if self.columns == _KEYS and not path.stat().st_size:
             self._write([self.columns])
 
     @property
@@ -40,8 +50,11 @@ class CsvTracker:
     def log(self, values: Mapping[str, float], step: int) -> None:
         new = [name for name in values if name not in self._known]
         if new:
-            self._widen(new)
-        self._write([[step, *(values.get(c, "") for c in self.columns[1:])]])
+            self._file.close()
+            self.columns += new
+            self._rewrite(lambda row: row + [""] * (len(self.columns) - len(row)))
+            self._open()
+        self._write([[self.run, step, *(values.get(c, "") for c in self.columns[2:])]])
 
     def finish(self, failed: bool) -> None:
         self._file.close()
@@ -55,15 +68,17 @@ class CsvTracker:
         self._rows.writerows(rows)
         self._file.flush()  # in the OS's hands: a worker killed next still leaves the row on disk
 
-    def _widen(self, new: list[str]) -> None:
-        self._file.close()
+    def _rewrite(self, fix: Callable[[list[str]], list[str]]) -> None:
+        """The file again, atomically, with the current header and ``fix`` applied to each row."""
         with self.path.open(newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))[1:]
-        self.columns += new
         text = io.StringIO(newline="")
-        csv.writer(text).writerows([self.columns, *(row + [""] * (len(self.columns) - len(row)) for row in rows)])
+        csv.writer(text).writerows([self.columns, *(fix(row) for row in rows)])
         _safe_io.write_atomic(self.path, text.getvalue().encode("utf-8"))
-        self._open()
+
+
+def _int(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
 
 
 def start(directory: Path, project: str, config: Mapping[str, Any], options: dict[str, Any]) -> CsvTracker:

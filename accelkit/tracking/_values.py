@@ -19,10 +19,12 @@ import torch
 from .. import _safe_io
 
 __all__ = [
-    "check_step", "config_dict", "flat_hparams", "json_number", "scalars", "start_file_tracker", "take_step",
+    "check_step", "config_dict", "flat_hparams", "json_number", "last_line", "next_run", "scalars",
+    "start_file_tracker", "take_step",
 ]  # fmt: skip
 
-_RESERVED = "step"  # the step column of the CSV and JSONL files
+_RESERVED = ("run", "step")  # the run and step columns of the CSV and JSONL files
+_STEP = "step"
 
 
 def scalars(values: object, call: str = "accelkit.log") -> dict[str, float | int]:
@@ -46,8 +48,13 @@ def _flatten(values: Mapping[Any, Any], prefix: str, out: dict[str, float | int]
         if not isinstance(key, str) or not key:
             raise TypeError(f"{call}: key {prefix}{key!r} is not a non-empty string; name each value, e.g. 'loss'")
         name = prefix + key
-        if name == _RESERVED:  # take_step removed the accepted one
+        if name == "step":  # take_step removed the accepted one
             raise ValueError(f"{call}: {name!r} is the step of every row; pass it as {call}(values, step=...)")
+        if name in _RESERVED:
+            raise ValueError(
+                f"{call}: {name!r} is the run number of every row of the CSV and JSONL files (a job's "
+                f"ak.init_trackers starts the next run); log it under another name, e.g. 'trial'"
+            )
         kind = type(value)
         if kind is float or kind is int:  # the common case first: ABC checks cost a few µs per call
             out[name] = value
@@ -83,22 +90,22 @@ def take_step(values: object, step: object, call: str = "accelkit.log") -> tuple
         ({'ppl': 3.5}, 7)
     """
     chosen = check_step(step, call)
-    if not isinstance(values, Mapping) or _RESERVED not in values:
+    if not isinstance(values, Mapping) or _STEP not in values:
         return values, chosen
-    given = values[_RESERVED]
+    given = values[_STEP]
     if isinstance(given, torch.Tensor) and given.numel() == 1 and not (given.is_floating_point() or given.is_complex()):
         given = given.item()  # a device sync on a GPU: only the main process gets here
     if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 0:
         raise TypeError(
-            f"{call}: values[{_RESERVED!r}]={values[_RESERVED]!r} is taken as the step of the row, and a step is an "
+            f"{call}: values[{_STEP!r}]={values[_STEP]!r} is taken as the step of the row, and a step is an "
             f"integer >= 0; pass the step as {call}(values, step=...) and log this value under another name"
         )
     if chosen is not None and given != chosen:
         raise ValueError(
-            f"{call}: values[{_RESERVED!r}]={int(given)} but step={chosen}: 'step' is the step of every row, one "
+            f"{call}: values[{_STEP!r}]={int(given)} but step={chosen}: 'step' is the step of every row, one "
             f"value per row; drop the key, or pass the same value ({call}({{..., 'step': s}}, step=s))"
         )
-    return {k: v for k, v in values.items() if k != _RESERVED}, int(given)
+    return {k: v for k, v in values.items() if k != _STEP}, int(given)
 
 
 def check_step(step: object, call: str = "accelkit.log") -> int | None:
@@ -163,3 +170,31 @@ def start_file_tracker(name: str, directory: Path, config: Mapping[str, Any], op
 def json_number(value: float | int) -> float | int | str:
     """A number for a JSON line: NaN and infinities as strings (strict JSON has no such numbers)."""
     return value if isinstance(value, int) or math.isfinite(value) else str(value)
+
+
+def next_run(last: int | None) -> int:
+    """The run number a new ``ak.init_trackers`` writes after rows of run ``last`` (None: no row yet).
+
+    A job the elastic agent restarted (``max_restarts``) continues its run: it resumes from a
+    checkpoint, and its steps go on. Anything else starts the next run.
+    """
+    from .. import _state
+
+    if last is not None and _state.get().restart_count > 0:
+        return last
+    return (last or 0) + 1
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of the text file at ``path`` ("" when it has none), read from its end."""
+    with path.open("rb") as f:
+        size = f.seek(0, 2)
+        chunk = 4096
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            lines = f.read(size - start).splitlines()
+            text = [line for line in (lines if start == 0 else lines[1:]) if line.strip()]
+            if text or start == 0:
+                return text[-1].decode("utf-8") if text else ""
+            chunk *= 4

@@ -17,6 +17,12 @@ from ._step import mark_waits
 __all__ = ["prepare"]
 
 T = TypeVar("T")
+A = TypeVar("A")
+B = TypeVar("B")
+C = TypeVar("C")
+D = TypeVar("D")
+E = TypeVar("E")
+F = TypeVar("F")
 Kind = Literal["model", "optimizer", "scheduler", "loader", "prepared"]
 _MODEL_OPTIONS = {
     "find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
@@ -25,8 +31,20 @@ _LOADER_OPTIONS = {"even_batches", "split_batches", "data_seed"}
 _OPTIONS = {"join_uneven_inputs", *comm_hooks.PREPARE_OPTIONS}
 
 
+# Each object's own type back, in order (a prepared optimizer forwards what it does not define, so code
+# written against torch.optim.AdamW keeps working on it, and the type checker says so).
 @overload
-def prepare(obj: T, /, **options: Any) -> T: ...
+def prepare(a: A, /, **options: Any) -> A: ...
+@overload
+def prepare(a: A, b: B, /, **options: Any) -> tuple[A, B]: ...
+@overload
+def prepare(a: A, b: B, c: C, /, **options: Any) -> tuple[A, B, C]: ...
+@overload
+def prepare(a: A, b: B, c: C, d: D, /, **options: Any) -> tuple[A, B, C, D]: ...
+@overload
+def prepare(a: A, b: B, c: C, d: D, e: E, /, **options: Any) -> tuple[A, B, C, D, E]: ...
+@overload
+def prepare(a: A, b: B, c: C, d: D, e: E, f: F, /, **options: Any) -> tuple[A, B, C, D, E, F]: ...
 @overload
 def prepare(*objects: Any, **options: Any) -> tuple[Any, ...]: ...
 def prepare(*objects: Any, **options: Any) -> Any:

@@ -23,6 +23,13 @@ def train(epochs: int = 3) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8, shuffle=True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    # Each object comes back as its own type: a prepared optimizer is still an AdamW to the type checker.
+    assert_type(
+        ak.prepare(model, optimizer, loader, scheduler),
+        tuple[nn.Linear, torch.optim.AdamW, DataLoader[tuple[torch.Tensor, ...]], torch.optim.lr_scheduler.StepLR],
+    )
+    assert_type(ak.prepare(model), nn.Linear)
+    assert_type(ak.prepare(model, optimizer, even_batches=False), tuple[nn.Linear, torch.optim.AdamW])
     model, optimizer, loader, scheduler = ak.prepare(model, optimizer, loader, scheduler)
     loss = torch.zeros(())
     for _ in range(epochs):
