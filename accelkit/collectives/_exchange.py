@@ -83,8 +83,8 @@ def _options(kind: Any, **values: Any) -> Any:
     opts = kind()
     for name, value in values.items():
         setattr(opts, name, value)
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = True
+    if hasattr(opts, "asyncOp"):  # a synchronous call: the backend may run it on this thread, no handoff
+        opts.asyncOp = False
     return opts
 
 
