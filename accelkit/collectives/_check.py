@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._signature import AGREE, HEADER
+from ._signature import AGREE
 
 __all__ = ["EXACT", "Deferred", "bits", "bits_agree", "bits_agree_on_device", "check_tensor", "header_tensor",
            "headers_agree", "headers_agree_on_device"]  # fmt: skip
@@ -81,13 +81,6 @@ def headers_agree(tails: torch.Tensor, mine: torch.Tensor) -> bool:
 
 def headers_agree_on_device(tails: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     return (tails[:, :AGREE] == mine[:AGREE]).all()
-
-
-def header_bytes(tails: torch.Tensor) -> list[bytes]:
-    """Each row of ``tails`` (ranks x at least HEADER uint8) as bytes: the slow path, for error messages."""
-    rows = tails[:, :HEADER].cpu().tolist()
-    return [bytes(row) for row in rows]
-
 
 @dataclass
 class Deferred:
