@@ -82,6 +82,7 @@ def headers_agree(tails: torch.Tensor, mine: torch.Tensor) -> bool:
 def headers_agree_on_device(tails: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     return (tails[:, :AGREE] == mine[:AGREE]).all()
 
+
 @dataclass
 class Deferred:
     """A verdict computed on the device, on its way to the host; read at the next collective.
