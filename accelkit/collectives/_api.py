@@ -66,7 +66,7 @@ def reduce(data: T, op: ReduceOp = "sum") -> T:
         tensor([1., 3.])
     """
     st = _state.get()
-    call = _tensors(st, "reduce", {"op": op}, data, _reduce_check(op))
+    call = _tensors(st, "reduce", {"op": op}, data, _REDUCE_CHECKS.get(op) or _reduce_check(op))
     if call is None:
         return data
     out = _run(st, call, _checked.Reduce(op), _exchange.reduce, call.data, op, st.world_size)
@@ -277,6 +277,8 @@ def _run(st: ProcessState, call: _checked.Call, mover: _checked.Mover, unchecked
 
 def _reduce_check(op: str) -> Check:
     def check(leaves: list[torch.Tensor], spec: _tree.TreeSpec) -> None:
+        if op == "sum":  # any dtype
+            return
         if op not in REDUCE_OPS:
             raise ValueError(
                 f"accelkit.reduce(op={op!r}): expected one of {', '.join(map(repr, REDUCE_OPS))}"
@@ -296,6 +298,9 @@ def _reduce_check(op: str) -> Check:
                 )
 
     return check
+
+
+_REDUCE_CHECKS = {op: _reduce_check(op) for op in REDUCE_OPS}
 
 
 def _pad_check(dim: int, pad_index: Any, pad_first: bool) -> Check:

@@ -54,7 +54,8 @@ def check_tensor(token: int, device: torch.device) -> torch.Tensor:
 def bits_agree(values: list[Any], world: int, with_complements: bool) -> bool:
     """From the reduced bits (host values): whether every rank sent the same token."""
     if not with_complements:
-        return set(values) <= {0, world}
+        kind = type(values[0])  # int, float or complex: counted fastest as the values' own type
+        return values.count(kind(0)) + values.count(kind(world)) == len(values)
     return all(values[i] != values[i + 8] for row in range(0, len(values), 16) for i in range(row, row + 8))
 
 
@@ -74,13 +75,20 @@ def header_tensor(header: bytes, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def headers_agree(tails: torch.Tensor, mine: torch.Tensor) -> bool:
-    """Whether every row of ``tails`` (ranks x HEADER bytes) starts with ``mine``'s agreed bytes (CPU)."""
-    return torch.equal(tails[:, :AGREE], mine[:AGREE].expand(tails.shape[0], AGREE))
+def headers_agree(gathered: torch.Tensor, ranks: int, width: int, at: int, mine: torch.Tensor) -> bool:
+    """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``."""
+    theirs = gathered.as_strided((ranks, AGREE), (width, 1), at)
+    if ranks <= 16:  # compared on the host as numbers: fewer tensor operations
+        want = mine[:AGREE].tolist()
+        return all(row == want for row in theirs.tolist())
+    return torch.equal(theirs, mine[:AGREE].expand(ranks, AGREE))
 
 
-def headers_agree_on_device(tails: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
-    return (tails[:, :AGREE] == mine[:AGREE]).all()
+def headers_agree_on_device(
+    gathered: torch.Tensor, ranks: int, width: int, at: int, mine: torch.Tensor
+) -> torch.Tensor:
+    """:func:`headers_agree` as a device tensor (a 0-d bool), for :class:`Deferred`."""
+    return (gathered.as_strided((ranks, AGREE), (width, 1), at) == mine[:AGREE]).all()
 
 
 @dataclass

@@ -62,32 +62,31 @@ class Reduce:
 
     def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
         """One all-reduce per dtype; the token's bits after the first dtype's data."""
-        groups: dict[torch.dtype, list[int]] = {}
-        for i, x in enumerate(leaves):
-            groups.setdefault(_exchange.WIDER.get(x.dtype, x.dtype), []).append(i)
+        if len(leaves) == 1:  # the common case, in as few tensor operations as it takes
+            groups = {_exchange.WIDER.get(leaves[0].dtype, leaves[0].dtype): [0]}
+        else:
+            groups = {}
+            for i, x in enumerate(leaves):
+                groups.setdefault(_exchange.WIDER.get(x.dtype, x.dtype), []).append(i)
         out: list[torch.Tensor] = [leaves[0]] * len(leaves)
         verdict: Any = None
         for dtype, members in groups.items():
             values = [_exchange.flat(leaves[i]) for i in members]
             values = [v if v.dtype == dtype else v.to(dtype) for v in values]
-            sizes = [v.numel() for v in values]
+            n = values[0].numel() if len(values) == 1 else sum(v.numel() for v in values)
             if verdict is None:  # the first dtype carries the token
-                logic = _check.logic(dtype, self.wire)
+                logic = self.wire != "sum" or dtype == torch.bool
                 message = torch.cat([*values, *_check.bits(call.token, dtype, st.device, logic)])
                 _exchange.all_reduce(message, self.wire)
-                bits = message[sum(sizes) :]
-                if st.backend == "fake" and not logic:  # torch's fake group reduces nothing
-                    bits = bits * st.world_size
-                verdict = _verdict_of_bits(st, bits, logic)
+                verdict = _verdict_of_bits(st, message[n:], logic)
+                reduced, own = message[:n], False  # each result is copied out of the message
             else:
-                message = torch.cat(values)
-                _exchange.all_reduce(message, self.wire)
-            if len(members) == 1:  # the whole message, or its start copied out (it owns compact storage)
-                parts = [message if message.numel() == sizes[0] else message[: sizes[0]].clone()]
-            else:
-                parts = [part.clone() for part in torch.split(message[: sum(sizes)], sizes)]
+                reduced = torch.cat(values) if len(values) > 1 else values[0].clone()
+                _exchange.all_reduce(reduced, self.wire)
+                own = len(values) == 1  # the whole message is this leaf's result
+            parts = [reduced] if len(values) == 1 else reduced.split([v.numel() for v in values])
             for i, part in zip(members, parts, strict=True):
-                out[i] = _exchange.reduced(part, self.op, st.world_size, leaves[i])
+                out[i] = _exchange.reduced(part if own else part.clone(), self.op, st.world_size, leaves[i])
         return out, verdict
 
 
@@ -107,17 +106,17 @@ class Gather:
         if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
             gathered.view(world, -1).copy_(message)
         _exchange.all_gather(gathered, message, world)
-        rows = gathered.view(world, -1)
-        at = sum(p.numel() for p in parts)
-        tails = rows[:, at : at + HEADER]
+        width, at = message.numel(), message.numel() - HEADER
         if st.device.type == "cpu":
-            verdict: Any = _check.headers_agree(tails, header)
+            verdict: Any = _check.headers_agree(gathered, world, width, at, header)
         else:
-            verdict = _check.headers_agree_on_device(tails, header)
+            verdict = _check.headers_agree_on_device(gathered, world, width, at, header)
         out, offset = [], 0
         for x, part in zip(leaves, parts, strict=True):
-            n = part.numel()
-            out.append(_exchange.from_bytes(rows[:, offset : offset + n].contiguous().view(-1), x, world))
+            n = part.numel()  # each rank's bytes of this leaf, copied out of every rank's message
+            out.append(
+                _exchange.from_bytes(_exchange.compact(gathered.as_strided((world, n), (width, 1), offset)), x, world)
+            )
             offset += n
         return out, verdict
 
@@ -151,7 +150,7 @@ class Broadcast:
         tail = message[at : at + HEADER]
         if st.device.type != "cpu":
             self.tail_seen = tail.clone()
-            return out, _check.headers_agree_on_device(tail.view(1, -1), _check.header_tensor(header, st.device))
+            return out, _check.headers_agree_on_device(tail, 1, HEADER, 0, _check.header_tensor(header, st.device))
         self.theirs = bytes(tail.tolist())
         return out, self.theirs[:AGREE] == header[:AGREE]
 
@@ -254,20 +253,19 @@ def _checked_now(st: ProcessState, call: Call) -> bool:
 
 def _start_check(st: ProcessState, call: Call) -> tuple[Any, torch.Tensor]:
     check = _check.check_tensor(call.token, st.device)
-    return _exchange.start_all_reduce(check, "sum"), check
+    return _exchange.start_sum(check), check
 
 
 def _end_check(st: ProcessState, work: Any, check: torch.Tensor) -> Any:
     _exchange.wait(work)
-    if st.backend == "fake":  # torch's fake group reduces nothing: as if every rank sent this
-        check = check * st.world_size
     return _verdict_of_bits(st, check, False)
 
 
 def _verdict_of_bits(st: ProcessState, bits: torch.Tensor, logic: bool) -> Any:
+    world = 1 if st.backend == "fake" else st.world_size  # torch's fake group reduces nothing: one rank's bits
     if st.device.type != "cpu":
-        return _check.bits_agree_on_device(bits, st.world_size, logic)
-    return _check.bits_agree(bits.tolist(), st.world_size, logic)
+        return _check.bits_agree_on_device(bits, world, logic)
+    return _check.bits_agree(bits.tolist(), world, logic)
 
 
 def _agree(verdict: Any) -> bool:

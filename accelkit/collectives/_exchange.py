@@ -68,6 +68,9 @@ class _Direct:
 
         self.pg = c10d._get_default_group()
         self.reduce = {name: _options(c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
+        self.check = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
+        if hasattr(self.check, "asyncOp"):  # begun before the data, and overlapping it
+            self.check.asyncOp = True
         self.gather = _options(c10d.AllgatherOptions)  # type: ignore[attr-defined]
         self.gather_single = getattr(self.pg, "all_gather_single", None) or getattr(self.pg, "_allgather_base", None)
         self.roots: dict[int, Any] = {}
@@ -89,10 +92,10 @@ def _options(kind: Any, **values: Any) -> Any:
 
 
 def _direct() -> _Direct:
-    group = _state.group
-    if group.direct is None:
-        group.direct = _Direct()
-    return group.direct  # type: ignore[no-any-return]
+    direct = _state.group.direct
+    if direct is None:
+        direct = _state.group.direct = _Direct()
+    return direct  # type: ignore[no-any-return]
 
 
 def _run(start: Any, *args: Any) -> None:
@@ -138,6 +141,8 @@ def flat(x: torch.Tensor) -> torch.Tensor:
 
 def own(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``x`` that owns its storage, without autograd history."""
+    if not x.requires_grad and not x.is_neg() and not x.is_conj():  # the common case, one call
+        return x.clone(memory_format=torch.contiguous_format)
     return (
         (x.resolve_conj() if x.dtype in _COMPLEX else x)
         .resolve_neg()
@@ -146,9 +151,16 @@ def own(x: torch.Tensor) -> torch.Tensor:
     )
 
 
+def compact(x: torch.Tensor) -> torch.Tensor:
+    """A 1-d copy of ``x``'s values with storage of its own (``reshape`` may return a view)."""
+    return x.clone(memory_format=torch.contiguous_format).view(-1)
+
+
 def as_bytes(x: torch.Tensor) -> torch.Tensor:
     """``x``'s values as a 1-d uint8 tensor (a view when ``x`` is contiguous)."""
-    return flat(x).view(_BYTE) if x.numel() else torch.empty(0, dtype=_BYTE, device=x.device)
+    if not x.numel():
+        return torch.empty(0, dtype=_BYTE, device=x.device)
+    return flat(x) if x.dtype == _BYTE else flat(x).view(_BYTE)
 
 
 def from_bytes(data: torch.Tensor, like: torch.Tensor, rows: int = 0) -> torch.Tensor:
@@ -156,7 +168,9 @@ def from_bytes(data: torch.Tensor, like: torch.Tensor, rows: int = 0) -> torch.T
     shape = tuple(like.shape) if not rows else (rows * like.shape[0], *like.shape[1:]) if like.dim() else (rows,)
     if not like.numel():
         return like.new_empty(shape)
-    return data.view(like.dtype).view(shape)
+    if like.dtype != _BYTE:
+        data = data.view(like.dtype)
+    return data if len(shape) == 1 else data.view(shape)
 
 
 def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
@@ -202,14 +216,14 @@ def reduce(leaves: list[torch.Tensor], op: str, world: int) -> list[torch.Tensor
 
 
 def reduced(buf: torch.Tensor, op: str, world: int, like: torch.Tensor) -> torch.Tensor:
-    """A reduced ``buf`` as the result for ``like``: the mean divided, back in ``like``'s dtype and shape."""
+    """A reduced 1-d ``buf`` as the result for ``like``: the mean divided, back in ``like``'s dtype and shape."""
     if op == "mean":
         buf = buf.div_(world)
     elif buf.dtype == torch.bool:  # gloo's sum leaves the count in each byte: proper booleans (0 or 1)
         buf = buf.view(torch.uint8).clamp_(max=1).view(torch.bool)
     if buf.dtype != like.dtype:
         buf = buf.to(like.dtype)
-    return buf.view(like.shape)
+    return buf if like.dim() == 1 else buf.view(like.shape)
 
 
 def pad(
@@ -296,11 +310,11 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
-def start_all_reduce(x: torch.Tensor, op: str) -> Any:
-    """Begin reducing ``x`` in place without waiting; :func:`wait` waits for it."""
+def start_sum(x: torch.Tensor) -> Any:
+    """Begin summing ``x`` in place over the ranks without waiting; :func:`wait` waits for it."""
     d = _direct()
     try:
-        return d.pg.allreduce([x], d.reduce[op])
+        return d.pg.allreduce([x], d.check)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:

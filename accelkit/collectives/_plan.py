@@ -8,13 +8,14 @@ that point sends the planned message straight away with its token in it: a rank 
 differs sends the planned sizes all the same (no backend ever sees messages of different sizes)
 and every rank learns from the tokens that the plan was missed.
 
-A plan carries the token in its data message (one backend call): at the end of a reduction's data,
-as bits reduced along with it, or as the 64-byte header after a gather's or a broadcast's bytes.
-The copies that costs (the data into the message, the results out of it) were measured cheaper
-than a second, overlapping backend call on gloo (a small call costs a round trip and, on two cores,
-a thread's turn), except for a gather of more than 1 MiB per rank, whose results are copied out of
-every rank's message: it sends the check beside the data. So does a reduction whose dtype cannot
-count the ranks exactly (bfloat16 beyond 256 ranks, float16 beyond 2048, 8-bit integers).
+A plan of a small call carries the token in its data message (one backend call): at the end of a
+reduction's data, as bits reduced along with it, or as the 64-byte header after a gather's or a
+broadcast's bytes. The copies that costs (the data into the message, the results out of it) are
+cheaper than a second backend call while the data is small (a call costs a round trip and, on two
+cores, a thread's turn). Beyond ``TAIL_BYTES`` per rank the copies cost more: the data then moves
+exactly as raw code moves it (into the result, no copy) and the check goes beside it, begun first
+and overlapping the data. So does a reduction whose dtype cannot count the ranks exactly (bfloat16
+beyond 256 ranks, float16 beyond 2048, 8-bit integers).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._exchange import WIDER
 
 __all__ = ["Plan", "learn"]
 
-GATHER_TAIL_BYTES = 1 << 20  # a gather's bytes per rank up to which its header rides in the message
+TAIL_BYTES = 1 << 16  # the data's bytes per rank up to which the token rides in the data message
 _MAX_PLANS = 1024  # beyond, every rank forgets them all alike
 
 
@@ -53,14 +54,13 @@ def learn(plans: dict[int, Plan], key: int, fingerprint: int, mover: tuple[str, 
     if len(plans) >= _MAX_PLANS:
         plans.clear()
     shapes = tuple((x.dtype, x.shape) for x in data)
-    plans[key] = Plan(fingerprint, mover, shapes, _small(data, mover, world))
+    plans[key] = Plan(fingerprint, mover, shapes, _tail(data, mover, world))
 
 
-def _small(data: list[torch.Tensor], mover: tuple[str, Any], world: int) -> bool:
-    if not data:
+def _tail(data: list[torch.Tensor], mover: tuple[str, Any], world: int) -> bool:
+    """Whether the token rides in the data message (else: a check beside it)."""
+    if not data or sum(x.numel() * x.element_size() for x in data) > TAIL_BYTES:
         return False
-    if mover[0] == "gather":  # its results are copied out of every rank's message: beyond a size, a check costs less
-        return sum(x.numel() * x.element_size() for x in data) <= GATHER_TAIL_BYTES
     if mover[0] != "reduce":
         return True
     first = WIDER.get(data[0].dtype, data[0].dtype)
