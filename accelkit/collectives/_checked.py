@@ -84,7 +84,7 @@ class Reduce:
                 reduced = torch.cat(values) if len(values) > 1 else values[0].clone()
                 _exchange.all_reduce(reduced, self.wire)
                 own = len(values) == 1  # the whole message is this leaf's result
-            parts = [reduced] if len(values) == 1 else reduced.split([v.numel() for v in values])
+            parts = [reduced] if len(values) == 1 else torch.split(reduced, [v.numel() for v in values])
             for i, part in zip(members, parts, strict=True):
                 out[i] = _exchange.reduced(part if own else part.clone(), self.op, st.world_size, leaves[i])
         return out, verdict
