@@ -89,10 +89,7 @@ class TrainingState:
     - ``strategy``: the current state's strategy, kept here for the step path (an attribute read,
       where ``strategy()`` is a call); None until a state exists. Set with the state, and a new
       ``TrainingState`` comes with every new state (``reset_state``, a fork).
-    - ``scaler``: the fp16 ``GradScaler``, created when an optimizer is prepared under fp16.
-    - ``optimizers``: the prepared optimizers; ``unscaled``: whether their gradients were
-      already unscaled this step (``clip_grad_norm_`` unscales once per step). Weak: an
-      optimizer the user dropped no longer takes part.
+    - ``optimizers``: the prepared optimizers. Weak: an optimizer the user dropped no longer takes part.
     - ``loaders``: every prepared dataloader, in the order prepared (weak references, so
       a dropped loader is forgotten); ``ak.save_state`` saves their positions and
       ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
@@ -110,9 +107,7 @@ class TrainingState:
     backward_calls: int = 0
     warned: set[str] = field(default_factory=set)
     strategy: Strategy | None = None
-    scaler: Any = None
     optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
-    unscaled: bool = False
     loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
     models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     saving: Any = None
@@ -351,7 +346,11 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
 
     sources = {**st.sources, **dict.fromkeys(explicit, "code")}
     origins = {**st.origins, **dict.fromkeys(explicit, origin)}
-    strategy = select_strategy(options, st.world_size, device) if changes else st.strategy
+    strategy = st.strategy
+    if changes:  # the strategy holds the options: a new one, keeping what the old one holds (the grad scaler)
+        strategy = select_strategy(options, st.world_size, device)
+        if st.strategy is not None:
+            strategy.keep_from(st.strategy)
     _state = replace(
         st, options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
     )
