@@ -123,8 +123,8 @@ class accumulate(contextlib.ContextDecorator):
     def __enter__(self) -> None:
         steps = _state.get().options.gradient_accumulation_steps if self.steps is None else self.steps
         training = _state.training
-        if steps > 1 and _state.step_watch is None:
-            _state.step_watch = optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
+        if steps > 1 and "step watch" not in _state.hooks:
+            _state.this_process.once("step watch", _watch_steps)
         training.micro_step += 1
         loaders = training.active_loaders
         at_end = bool(loaders) and loaders[-1].at_last_batch
@@ -173,6 +173,10 @@ def _warn_once_several_backwards(calls: int) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def _watch_steps() -> Any:
+    return optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
 
 
 def _warn_unprepared_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
