@@ -254,7 +254,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 def set_breakpoint() -> None:
     """Ask every process to stop at the next :func:`check_breakpoint` (any rank may ask)."""
-    _state.breakpoint_requested = True
+    _state.this_process.request_breakpoint()
 
 
 def check_breakpoint() -> bool:
@@ -269,8 +269,7 @@ def check_breakpoint() -> bool:
         (True, False)
     """
     st = _state.get()
-    flag = _state.breakpoint_requested
-    _state.breakpoint_requested = False
+    flag = _state.this_process.take_breakpoint()
     if not st.distributed:
         return flag
     from .collectives._api import any_rank

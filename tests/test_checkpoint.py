@@ -386,14 +386,14 @@ def test_fp16_scaler_and_plain_values_round_trip(tmp_path: Path) -> None:
     opt = ak.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     ak.backward(model(torch.ones(1, 64)).sum())
     opt.step()
-    ak._state.training.scaler.update(1234.0)
+    ak._state.strategy().scaler.update(1234.0)  # type: ignore[attr-defined]
     ak.save_state(tmp_path / "a", model=model, optimizer=opt, step=3, note={"name": "x", "lr": [0.1, 1e-300]})
     ak.reset_state()
     ak.init(precision="fp16")
     opt = ak.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     values = ak.load_state(tmp_path / "a", model=model, optimizer=opt)
     assert values == {"step": 3, "note": {"name": "x", "lr": [0.1, 1e-300]}}
-    assert ak._state.training.scaler.get_scale() == 1234.0
+    assert ak._state.strategy().scaler.get_scale() == 1234.0  # type: ignore[attr-defined]
 
 
 def test_errors_say_what_and_how_to_fix(tmp_path: Path) -> None:

@@ -248,7 +248,7 @@ def fp16_overflow_on_one_rank() -> dict[str, Any]:
     ak.backward(model(x).mean() * 1e-3)
     ak.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    scaler = _state.training.scaler
+    scaler = _state.strategy().scaler  # type: ignore[attr-defined]
     return {
         "scaler": type(scaler).__name__,
         "scale": scaler.get_scale(),

@@ -137,14 +137,48 @@ def test_a_launcher_world_of_one_is_still_a_launched_run(monkeypatch: pytest.Mon
     assert st.launcher == "torchrun" and st.world_size == 1 and not dist.is_initialized()
 
 
+def test_one_reset_keeps_the_records_and_says_what_survives() -> None:
+    # The step path and the collectives read _state.training and _state.group: the same objects, always.
+    from accelkit import _state
+
+    training, group, this = _state.training, _state.group, _state.this_process
+    ak.init(precision="bf16")
+    training.micro_step, group.seq = 3, 7
+    this.warned.add("a warning given once per process")
+    generation = this.generation
+    ak.set_breakpoint()
+    ak.reset_state()
+    assert _state.training is training is this.training and _state.group is group is this.group
+    assert training.micro_step == 0 and group.seq == 0 and this.state is None
+    assert "a warning given once per process" in this.warned and this.generation == generation
+    assert not ak.check_breakpoint()
+
+
+def test_a_new_task_forgets_the_training_and_the_code_options_but_keeps_the_state() -> None:
+    from accelkit import _state
+
+    first = ak.init(precision="bf16")
+    _state.training.micro_step = 3
+    ak.set_breakpoint()
+    _state.new_task()
+    st = ak.state()
+    assert st.options.precision == "no" and st.pid == first.pid and st.device == first.device
+    assert _state.training.micro_step == 0 and _state.training.strategy is st.strategy
+    assert not ak.check_breakpoint()
+
+
 def test_fork_never_reuses_the_parents_state() -> None:
+    from accelkit import _state
+
     parent = ak.init(precision="bf16")
+    _state.training.micro_step = 5  # the child must not inherit it
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
         try:
+            forgot = _state.this_process.state is None and _state.training.micro_step == 0
             fresh = ak.state()
-            ok = fresh is not parent and fresh.options.precision == "no" and fresh.pid == os.getpid()
+            ok = forgot and fresh is not parent and fresh.options.precision == "no" and fresh.pid == os.getpid()
             os.write(write, b"1" if ok else b"0")
         finally:
             os._exit(0)

@@ -127,6 +127,17 @@ def test_fp16_on_cpu_scales_the_loss_and_steps_unscaled() -> None:
     assert sched.get_last_lr() == [pytest.approx(0.05)]
 
 
+def test_fp16_scaling_goes_on_after_an_option_changes() -> None:
+    # A new option gives the process a new strategy object: the grad scaler it made at prepare stays.
+    model, opt, _ = fp16_setup()
+    ak.init(gradient_accumulation_steps=2)
+    with ak.accumulate(model, steps=1):
+        ak.backward(model(torch.ones(1, 2)).sum() / 4)
+    assert model[0].weight.grad.tolist() == [[2.0**14, 2.0**14]]  # scaled by 2**16
+    opt.step()
+    assert model[0].weight.tolist() == [[0.875, 0.875]]  # and unscaled by the optimizer step
+
+
 def test_fp16_overflow_skips_the_step_and_the_scheduler() -> None:
     model, opt, sched = fp16_setup()
     ak.backward(model(torch.full((1, 2), math.inf)).sum())

@@ -35,7 +35,7 @@ from torch import nn
 
 from .._options import Options
 from ..errors import ConfigurationError, StateError
-from . import Setup
+from ._protocol import Setup
 from .comm_hooks import refuse_comm_hook
 from .single import SingleProcess
 
@@ -227,13 +227,10 @@ class DeepSpeed(SingleProcess):
             [ds_scheduler or scheduler] if scheduler else [],
         )
 
-    def grad_scaler(self) -> Any:
-        return None  # the engine scales fp16 losses itself
-
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()  # the engine accumulates itself (ZeRO has no no_sync)
 
-    def backward(self, loss: torch.Tensor, *, divide_by: int, scaler: Any, boundary: bool, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, divide_by: int, boundary: bool, **kwargs: Any) -> None:
         engine = self._current_engine()
         # Before the backward: the engine reduces the gradients during it on a boundary.
         engine.set_gradient_accumulation_boundary(boundary)
@@ -242,7 +239,7 @@ class DeepSpeed(SingleProcess):
         engine.backward(loss, scale_wrt_gas=False, **kwargs)
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, scaler: Any, closure: Callable[[], float] | None, *, boundary: bool
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None, *, boundary: bool
     ) -> tuple[float | None, bool | None]:
         # On every micro-step: the engine steps the optimizer only on the boundary ak.backward set.
         engine = self._current_engine()

@@ -24,11 +24,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._options import Options, suggest
 from ..errors import ConfigurationError, StateError
 from .comm_hooks import refuse_comm_hook
-from .single import SingleProcess
+from .single import PRECISION_DTYPES, SingleProcess
 
 __all__ = ["FSDP", "fully_shard_model", "select_units"]
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def select_units(model: nn.Module, wrap: tuple[str, ...] = (), min_params: int = 0) -> list[nn.Module]:
@@ -109,7 +107,7 @@ class FSDP(SingleProcess):
             group["params"] = [self._shard_of.get(p, p) for p in group["params"]]  # type: ignore[no-untyped-call]
         super().fit_optimizer(optimizer)
 
-    def grad_scaler(self) -> Any:
+    def new_scaler(self) -> Any:
         """The fp16 grad scaler for sharded gradients: it agrees on overflow across ranks."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -125,7 +123,7 @@ def fully_shard_model(model: nn.Module, options: Options, device: torch.device, 
         return model
     units = select_units(model, options.fsdp_wrap, options.fsdp_min_params)
     units = [u for u in units if not isinstance(u, FSDPModule)]
-    dtype = _DTYPES.get(options.precision)
+    dtype = PRECISION_DTYPES.get(options.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     # Pinned host memory needs an accelerator; on a CPU device the offload is a plain copy.
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if options.fsdp_cpu_offload else OffloadPolicy()

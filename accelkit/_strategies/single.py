@@ -15,9 +15,12 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._options import Options
-from . import Setup, Skipped
+from ._protocol import Setup, Skipped, Strategy
 
-__all__ = ["SingleProcess", "StepCalls", "holds_dtensors"]
+__all__ = ["PRECISION_DTYPES", "SingleProcess", "StepCalls", "holds_dtensors"]
+
+# The dtype each half precision computes in: autocast's, and FSDP's parameters'.
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class StepCalls:
@@ -43,14 +46,19 @@ class SingleProcess:
         self.device = device
         self._no_sync_depth: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
         self._calls: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepCalls] = weakref.WeakKeyDictionary()
+        self.scaler: Any = None  # the fp16 GradScaler, made when the first optimizer is prepared under fp16
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # those it scales
+        self._unscaled = False  # their gradients were unscaled this step (clipping unscales once per step)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (pickle, deepcopy, as of ``ak.state()``) with none of this process's objects.
 
         What a strategy learned about them sits in weak maps and references, which do not pickle
-        and mean nothing in another process: the copy starts with empty ones.
+        and mean nothing in another process: the copy starts with empty ones, and no grad scaler.
         """
-        return {name: _forget(value) for name, value in self.__dict__.items()}
+        state = {name: _forget(value) for name, value in self.__dict__.items()}
+        state["scaler"], state["_unscaled"] = None, False
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({name: _empty(value) for name, value in state.items()})
@@ -67,6 +75,9 @@ class SingleProcess:
         wrapped = [self.wrap_model(model.to(self.device), model_options) for model in models]
         for optimizer in optimizers:
             self.fit_optimizer(optimizer)
+            self._optimizers.add(optimizer)
+        if optimizers and self.options.precision == "fp16" and self.scaler is None:
+            self.scaler = self.new_scaler()
         return wrapped, list(optimizers), list(schedulers)
 
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
@@ -79,7 +90,8 @@ class SingleProcess:
             # State loaded before prepare moves onto the parameters' devices.
             optimizer.load_state_dict(optimizer.state_dict())
 
-    def grad_scaler(self) -> Any:
+    def new_scaler(self) -> Any:
+        """A new fp16 gradient scaler for this strategy's gradients."""
         return torch.amp.GradScaler(self.device.type)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
@@ -90,15 +102,15 @@ class SingleProcess:
         sync_off = _method(model, "no_sync")  # DDP's, under a torch.compile wrapper
         return sync_off() if callable(sync_off) else contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, *, divide_by: int, scaler: Any, boundary: bool, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, divide_by: int, boundary: bool, **kwargs: Any) -> None:
         if divide_by > 1:
             loss = loss / divide_by
-        if scaler is not None:
-            loss = scaler.scale(loss)
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
         loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, scaler: Any, closure: Callable[[], float] | None, *, boundary: bool
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], float] | None, *, boundary: bool
     ) -> tuple[float | None, Skipped]:
         """Step through the fp16 scaler, adding no host-device synchronisation to what the scaler does.
 
@@ -110,8 +122,10 @@ class SingleProcess:
         """
         if not boundary:
             return None, None
+        scaler = self.scaler
         if scaler is None:
             return optimizer.step(closure), False
+        self._unscaled = False
         if closure is not None:
             raise ValueError(
                 f"optimizer.step(closure) under fp16: the grad scaler cannot re-evaluate a closure (it would see "
@@ -134,6 +148,30 @@ class SingleProcess:
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
         if boundary:
             optimizer.zero_grad(set_to_none=set_to_none)
+
+    def unscale(self) -> None:
+        if self.scaler is None or self._unscaled:
+            return
+        for optimizer in self._optimizers:
+            self.scaler.unscale_(optimizer)
+        self._unscaled = True
+
+    def gradient_scale(self) -> torch.Tensor | float | None:
+        if self.scaler is None:
+            return None
+        scale: torch.Tensor | None = self.scaler._get_scale_async()  # get_scale() would read it back to the host
+        return scale if scale is not None else float(self.scaler.get_scale())
+
+    def scaler_state_dict(self) -> dict[str, Any] | None:
+        return None if self.scaler is None else dict(self.scaler.state_dict())
+
+    def load_scaler_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state)
+
+    def keep_from(self, previous: Strategy) -> None:
+        if isinstance(previous, SingleProcess):
+            self.scaler, self._unscaled = previous.scaler, previous._unscaled
+            self._optimizers.update(previous._optimizers)
 
     def _step_calls(self, optimizer: torch.optim.Optimizer) -> StepCalls:
         """A counter of ``optimizer.step()`` calls, kept by a post-step hook registered once.

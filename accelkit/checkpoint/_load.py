@@ -231,8 +231,9 @@ def readers(path: Path, objects: dict[str, Any], sharded: list[str], owners: dic
 def _warn_versions(path: Path, body: dict[str, Any], st: _state.ProcessState) -> None:
     """Once per process and versions, on the main process: the checkpoint comes from other versions."""
     change = _manifest.version_change(body)
-    if change and st.is_main_process and change not in _state.warned:
-        _state.warned.add(change)
+    warned = _state.this_process.warned
+    if change and st.is_main_process and change not in warned:
+        warned.add(change)
         frame = _frames.user_frame()  # the warning points at the user's load_state call
         warnings.warn_explicit(
             f"accelkit.load_state({os.fspath(path)!r}): {change}. Loading it anyway; if it does not load or "

@@ -63,9 +63,7 @@ def capture() -> dict[str, Any]:
     out["torch"] = _b64(torch.get_rng_state())
     module = _device_module(st.device)
     out["device"] = None if module is None else [st.device.type, _b64(module.get_rng_state(st.device).cpu())]
-    scaler = _state.training.scaler
-    scaler_state = scaler.state_dict() if scaler is not None else None
-    out["scaler"] = scaler_state or None  # an unused scaler's state is {}
+    out["scaler"] = _state.strategy().scaler_state_dict() or None  # an unused scaler's state is {}
     out["loaders"] = [loader.state_dict() for loader in live_loaders()]
     return out
 
@@ -123,7 +121,7 @@ def check_fits(state: RankState) -> str | None:
             f"it holds the positions of {len(state.loaders)} prepared dataloader(s) but this process prepared "
             f"{have}; ak.prepare the same dataloaders, in the same order, before ak.load_state"
         )
-    if state.scaler is not None and _state.training.scaler is None:
+    if state.scaler is not None and _state.strategy().scaler_state_dict() is None:
         return (
             "it holds an fp16 grad scaler state but no optimizer was prepared under fp16 here; "
             "ak.init(precision='fp16') and ak.prepare(optimizer) before ak.load_state"
@@ -140,7 +138,7 @@ def apply(state: RankState) -> None:
     for loader, position in zip(live_loaders(), state.loaders, strict=True):
         loader.load_state_dict(position)
     if state.scaler is not None:
-        _state.training.scaler.load_state_dict(state.scaler)
+        _state.strategy().load_scaler_state_dict(state.scaler)
     random.setstate(state.python)
     if state.numpy is not None:  # numpy is importable here: check_numpy said so, or it was dropped
         import numpy

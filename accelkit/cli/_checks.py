@@ -171,9 +171,10 @@ def _training() -> str:
 
 def _precision() -> str:
     import accelkit as ak
+    from accelkit._strategies.single import PRECISION_DTYPES
 
     mode = ak.state().options.precision
-    want = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
+    want = torch.float32 if mode == "no" else PRECISION_DTYPES.get(mode)
     if want is None:
         raise _Skipped(f"precision {mode!r} has no autocast dtype to check")
     a = torch.ones(2, 2, device=ak.device())

@@ -80,7 +80,7 @@ def _report(exc: BaseException) -> None:
     if "accelkit._state" in sys.modules:  # the script started trackers only if it imported the state
         from .. import _state
 
-        _state.end_trackers(failed=True)  # what was logged stays readable, and the run is marked failed
+        _state.this_process.end_tracking(failed=True)  # what was logged stays readable, and the run is marked failed
 
 
 if __name__ == "__main__":

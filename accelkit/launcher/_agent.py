@@ -206,11 +206,11 @@ def worker_main(job: Job) -> Any:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             record_failure(job.run_dir, exc)
-            _state.end_trackers(failed=True)
+            _state.this_process.end_tracking(failed=True)
         raise
     except BaseException as exc:
         record_failure(job.run_dir, exc)
-        _state.end_trackers(failed=True)  # what was logged stays readable, and the run is marked failed
+        _state.this_process.end_tracking(failed=True)  # what was logged stays readable, and the run is marked failed
         raise
     finally:
         if timer is not None:

@@ -3,8 +3,8 @@
 Only the main process writes: it starts one run per tracker under ``project_dir/project_name/``.
 The other ranks remember that they do not write, so their ``ak.log`` returns at once: no
 collective, no tensor is read (a ``.item()`` there would be a device sync for nothing).
-The running trackers live in the process state (``accelkit._state``): ``ak.reset_state()`` and
-``ak.end_training()`` flush and close them, and so do interpreter exit and a failing worker.
+The running trackers' life cycle is in ``_running``: ``ak.reset_state()`` and ``ak.end_training()``
+flush and close them, and so do interpreter exit and a failing worker.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .. import _env, _state
 from .._options import TRACKERS
 from ..config import resolve
 from . import _registry
+from ._running import TrackingState, current_tracking, end_trackers, start_tracking
 from ._values import config_dict, scalars, take_step
 
 __all__ = ["Trackers", "end_training", "get_tracker", "init_trackers", "log"]
@@ -34,7 +35,7 @@ class Trackers:
     ``directory`` the run's folder (``project_dir/project_name``).
     """
 
-    def __init__(self, tracking: _state.TrackingState, names: tuple[str, ...]) -> None:
+    def __init__(self, tracking: TrackingState, names: tuple[str, ...]) -> None:
         self._tracking = tracking
         self.names = names
         self.directory = Path(tracking.directory)
@@ -46,8 +47,8 @@ class Trackers:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if _state.current_tracking() is self._tracking:  # not if they were already ended or replaced
-            _raise_if_any(_state.end_trackers(failed=kind is not None), "ending the trackers", exc)
+        if current_tracking() is self._tracking:  # not if they were already ended or replaced
+            _raise_if_any(end_trackers(failed=kind is not None), "ending the trackers", exc)
 
 
 def init_trackers(
@@ -86,7 +87,7 @@ def init_trackers(
     directory = Path(chosen.project_dir if project_dir is not None else options.project_dir) / directory_name
     kwargs = _check_init_kwargs(init_kwargs, names)
     if not _state.get().is_main_process:
-        return Trackers(_state.start_tracking(False, {}, str(directory)), ())
+        return Trackers(start_tracking(False, {}, str(directory)), ())
     for name in names:
         _registry.require(name, _CALL)
     if not names:
@@ -108,7 +109,7 @@ def init_trackers(
         if isinstance(exc, OSError):
             raise OSError(f"{_CALL}: cannot write under {str(directory)!r}: {exc}; choose another project_dir") from exc
         raise
-    return Trackers(_state.start_tracking(True, started, str(directory)), names)
+    return Trackers(start_tracking(True, started, str(directory)), names)
 
 
 def log(values: Mapping[str, Any], step: int | None = None) -> None:
@@ -127,7 +128,7 @@ def log(values: Mapping[str, Any], step: int | None = None) -> None:
         >>> (run.directory / "metrics.jsonl").read_text()
         '{"run": 1, "step": 0, "loss": 0.5, "eval/acc": 1}\\n'
     """
-    tracking = _state.current_tracking()
+    tracking = current_tracking()
     if not tracking.is_main:
         if tracking.started or not _is_main_without_trackers():
             return
@@ -155,7 +156,7 @@ def get_tracker(name: str) -> Any:
     """
     if name not in TRACKERS:
         raise ValueError(f"accelkit.get_tracker({name!r}): unknown tracker; valid names: {', '.join(TRACKERS)}")
-    tracking = _state.current_tracking()
+    tracking = current_tracking()
     if tracking.started and not tracking.is_main:
         return None
     if name not in tracking.trackers:
@@ -191,7 +192,7 @@ def end_training() -> None:
             finish_saving("accelkit.end_training()")
         except Exception as exc:  # raised once the rest is torn down
             saving = exc
-    errors = _state.end_trackers(failed=False)
+    errors = end_trackers(failed=False)
     _state.reset_state()
     if saving is not None:
         raise saving

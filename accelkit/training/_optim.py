@@ -67,12 +67,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
         strategy = training.strategy or _state.strategy()
-        loss, skipped = strategy.optimizer_step(
-            self.optimizer, training.scaler, closure, boundary=training.sync_gradients
-        )
+        loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=training.sync_gradients)
         if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
             self._skipped = skipped
-            training.unscaled = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

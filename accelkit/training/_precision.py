@@ -13,11 +13,10 @@ from torch import nn
 
 from .. import _state, _tree
 from .._options import PRECISIONS, suggest
+from .._strategies.single import PRECISION_DTYPES
 from ..errors import ConfigurationError
 
 __all__ = ["MixedPrecisionModule", "Precision", "autocast", "autocast_options", "precision"]
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def precision(mode: str | None = None) -> Precision:
@@ -78,7 +77,7 @@ def autocast_options(mode: str, device_type: str) -> dict[str, Any]:
         raise ValueError(f"accelkit.precision('fp8') is not available here: {_fp8_missing(device_type)}")
     if mode == "no":
         return {"enabled": False}
-    return {"dtype": _DTYPES[mode]}
+    return {"dtype": PRECISION_DTYPES[mode]}
 
 
 def _check_mode(mode: str) -> None:

@@ -130,8 +130,6 @@ def prepare(*objects: Any, **options: Any) -> Any:
             model = MixedPrecisionModule(model, st.options.precision, st.device.type)
         training.models.add(model)
         prepared[i] = model
-    if optimizers and st.options.precision == "fp16" and training.scaler is None:
-        training.scaler = strategy.grad_scaler()
     for i, optimizer in zip(slots["optimizer"], optimizers, strict=True):
         prepared[i] = PreparedOptimizer(optimizer)
         training.optimizers.add(prepared[i])

@@ -49,13 +49,10 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     training.backward_calls += 1
     strategy = training.strategy or _state.strategy()
     if not training.sync_gradients or _state.group.heartbeat is None:
-        strategy.backward(
-            loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=training.sync_gradients,
-            **kwargs,
-        )  # fmt: skip
+        strategy.backward(loss, divide_by=training.accumulation_steps, boundary=training.sync_gradients, **kwargs)
         return
     with _state.doing(_group.SYNCING):  # other ranks that wait for this one can tell where it is (_group.meet)
-        strategy.backward(loss, divide_by=training.accumulation_steps, scaler=training.scaler, boundary=True, **kwargs)
+        strategy.backward(loss, divide_by=training.accumulation_steps, boundary=True, **kwargs)
 
 
 def mark_waits(model: nn.Module) -> None:
@@ -126,8 +123,8 @@ class accumulate(contextlib.ContextDecorator):
     def __enter__(self) -> None:
         steps = _state.get().options.gradient_accumulation_steps if self.steps is None else self.steps
         training = _state.training
-        if steps > 1 and _state.step_watch is None:
-            _state.step_watch = optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
+        if steps > 1 and "step watch" not in _state.hooks:
+            _state.this_process.once("step watch", _watch_steps)
         training.micro_step += 1
         loaders = training.active_loaders
         at_end = bool(loaders) and loaders[-1].at_last_batch
@@ -176,6 +173,10 @@ def _warn_once_several_backwards(calls: int) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def _watch_steps() -> Any:
+    return optimizer_module.register_optimizer_step_pre_hook(_warn_unprepared_step)
 
 
 def _warn_unprepared_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -263,10 +264,12 @@ def clip_grad_norm_(
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     training = _state.training
+    strategy = training.strategy or _state.strategy()
     if not training.sync_gradients:
         norm = _total_norm(params, norm_type)
-        return norm / _scale(training.scaler) if training.scaler is not None else norm
-    _unscale_once()
+        scale = strategy.gradient_scale()
+        return norm / scale if scale is not None else norm
+    strategy.unscale()
     norm = _total_norm(params, norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -318,8 +321,9 @@ def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_val
         tensor([ 1., -1.])
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if _state.training.sync_gradients:
-        _unscale_once()
+    training = _state.training
+    if training.sync_gradients:
+        (training.strategy or _state.strategy()).unscale()
     torch.nn.utils.clip_grad_value_(params, clip_value)
 
 
@@ -351,18 +355,3 @@ def unwrap(model: nn.Module, keep_precision: bool = False) -> nn.Module:
             else MixedPrecisionModule(model, precision.mode, precision.device_type)
         )
     return model
-
-
-def _scale(scaler: Any) -> torch.Tensor | float:
-    """The grad scaler's current scale, as its device tensor where it has one (no host-device sync)."""
-    scale: torch.Tensor | None = scaler._get_scale_async()  # get_scale() would read it back to the host
-    return scale if scale is not None else float(scaler.get_scale())
-
-
-def _unscale_once() -> None:
-    training = _state.training
-    if training.scaler is None or training.unscaled:
-        return
-    for opt in training.optimizers:
-        training.scaler.unscale_(opt.optimizer)
-    training.unscaled = True

@@ -1,0 +1,158 @@
+"""What the process-global object holds: the state snapshot, and the records of training and of the group."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from .._backends import Backend
+from .._options import Options
+
+if TYPE_CHECKING:
+    from .._strategies import Strategy
+
+__all__ = ["NOWHERE", "GroupState", "Now", "ProcessState", "TrainingState"]
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """Where this process stands in the job. Read it with ``ak.state()``.
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.state().world_size
+        1
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    device: torch.device
+    backend: str
+    options: Options
+    launcher: str = "none"
+    restart_count: int = 0  # how many times the elastic agent restarted the job so far
+    pid: int = field(default_factory=os.getpid, repr=False, compare=False)
+    hardware: Backend | None = field(default=None, repr=False, compare=False)
+    strategy: Strategy | None = field(default=None, repr=False, compare=False)  # chosen once, from the options
+    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> its layer
+    origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> who set it in code
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+
+@dataclass
+class TrainingState:
+    """The mutable side of training in this process; reset in place with the process state (one
+    object for the life of the process: ``_state.training``, read on the step path).
+
+    - ``micro_step``: micro-steps seen inside ``ak.accumulate`` since the last reset.
+    - ``sync_gradients``: whether the current step synchronises gradients and really
+      steps the optimizer (False on accumulation micro-steps).
+    - ``active_loaders``: prepared dataloaders being iterated, innermost last; each entry
+      knows whether it is on its last batch and how many samples it padded there.
+    - ``accumulation_steps``: the steps of the innermost ``ak.accumulate`` (1 outside);
+      ``accumulating``: how many ``ak.accumulate`` regions are open (0 outside).
+    - ``backward_calls``: ``ak.backward`` calls so far (a region compares it at entry and exit).
+    - ``warned``: the training warnings given once (again after a reset: a new run).
+    - ``strategy``: the current state's strategy, kept here for the step path (an attribute read,
+      where ``strategy()`` is a call); None until a state exists. Set with the state, and reset
+      with every new state (``reset_state``, a new task, a fork).
+    - ``optimizers``: the prepared optimizers. Weak: an optimizer the user dropped no longer takes part.
+    - ``loaders``: every prepared dataloader, in the order prepared (weak references, so
+      a dropped loader is forgotten); ``ak.save_state`` saves their positions and
+      ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
+      is how a resumed run matches each saved position to its loader.
+    - ``models``: the models ``ak.prepare`` returned (weak), so that preparing one again is a no-op.
+    - ``saving``: ``ak.save_state(blocking=False)``'s save in flight and staging buffers
+      (``checkpoint/_async``); ``close()`` waits for it, before the state or group goes.
+    """
+
+    micro_step: int = 0
+    sync_gradients: bool = True
+    active_loaders: list[Any] = field(default_factory=list)
+    accumulation_steps: int = 1
+    accumulating: int = 0
+    backward_calls: int = 0
+    warned: set[str] = field(default_factory=set)
+    strategy: Strategy | None = None
+    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
+    models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    saving: Any = None
+
+
+class Now(NamedTuple):
+    """Where this rank is, as the heartbeat reads it: an immutable snapshot, replaced whole.
+
+    ``op`` / ``seq``: the current or last collective; ``inside``: waiting in it now; ``since``:
+    ``time.monotonic()`` when it entered (inside) or left it; ``thread``: the thread that called it;
+    ``fingerprint`` and ``text``: the call, while inside (what two ranks in the same call share, and
+    the call as the tables show it); ``doing``: a step that waits for the other ranks outside the
+    collectives (a backward pass that synchronises gradients), or "".
+    """
+
+    op: str
+    seq: int
+    inside: bool
+    since: float
+    thread: int
+    fingerprint: int
+    text: str
+    doing: str = ""
+
+
+NOWHERE = Now("", 0, False, 0.0, 0, 0, "")
+
+
+@dataclass
+class GroupState:
+    """What belongs to the process group accelkit formed, and goes with it (reset in place: one
+    object for the life of the process, ``_state.group``, read by the collectives).
+
+    - ``prefix``: the group's key prefix in the job's store. Each attempt of an elastic job and
+      each group this process forms (again after ``reset_state``) gets its own, so a new group
+      never reads the keys of the one before.
+    - ``agreements``: ``find_executable_batch_size``'s agreements so far (their store keys),
+      and ``previous_agreement`` the key prefix of the last one, deleted after the next.
+    """
+
+    prefix: str = "accelkit"
+    agreements: int = 0
+    previous_agreement: str = ""
+    # Collectives (see collectives/_checked.py). Every rank updates these alike, from what all ranks sent.
+    seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
+    key: int = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
+    plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
+    direct: Any = None  # the default group's backend and its options, called directly (collectives/_exchange)
+    pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
+    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
+    meetings: dict[str, int] = field(default_factory=dict)  # _group.meet's count of each step's meetings
+    closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
+    # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
+    now: Now = field(default_factory=lambda: NOWHERE)
+    store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
+    board: str = ""  # the key prefix of positions and reports in that store (see _group)
+    heartbeat: Any = None  # the heartbeat thread (see _group)
+
+    def restart_collectives(self) -> None:
+        """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
+        self.seq, self.key, self.plans, self.pending, self.direct = 0, 0, {}, None, None
