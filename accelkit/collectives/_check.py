@@ -75,13 +75,13 @@ def header_tensor(header: bytes, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def headers_agree(gathered: torch.Tensor, ranks: int, width: int, at: int, mine: torch.Tensor) -> bool:
+def headers_agree(gathered: torch.Tensor, ranks: int, width: int, at: int, mine: bytes) -> bool:
     """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``."""
     theirs = gathered.as_strided((ranks, AGREE), (width, 1), at)
     if ranks <= 16:  # compared on the host as numbers: fewer tensor operations
-        want = mine[:AGREE].tolist()
+        want = list(mine[:AGREE])
         return all(row == want for row in theirs.tolist())
-    return torch.equal(theirs, mine[:AGREE].expand(ranks, AGREE))
+    return torch.equal(theirs, torch.frombuffer(bytearray(mine[:AGREE]), dtype=torch.uint8).expand(ranks, AGREE))
 
 
 def headers_agree_on_device(
