@@ -108,7 +108,7 @@ def wait_for_everyone() -> None:
     """
     st = _state.get()
     if st.distributed:
-        from .collectives._api import barrier
+        from .collectives import barrier
 
         barrier(st)
 
@@ -273,6 +273,6 @@ def check_breakpoint() -> bool:
     _state.breakpoint_requested = False
     if not st.distributed:
         return flag
-    from .collectives._api import any_rank
+    from .collectives import any_rank
 
     return any_rank(st, "check_breakpoint", flag)

@@ -8,5 +8,17 @@ them; ``ak.progress`` draws a bar on the local main process; ``ak.profile`` writ
 from ._api import Trackers, end_training, get_tracker, init_trackers, log
 from ._profile import profile
 from ._progress import ProgressBar, progress
+from ._registry import KINDS, installed_versions
 
-__all__ = ["ProgressBar", "Trackers", "end_training", "get_tracker", "init_trackers", "log", "profile", "progress"]
+__all__ = [
+    "KINDS",
+    "ProgressBar",
+    "Trackers",
+    "end_training",
+    "get_tracker",
+    "init_trackers",
+    "installed_versions",
+    "log",
+    "profile",
+    "progress",
+]
