@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
 from . import _env
 from .errors import ConfigurationError
@@ -149,7 +149,7 @@ CODE_LAUNCH_NAMES: tuple[str, ...] = tuple(k for k in LaunchOptions.__annotation
 INIT_LAUNCH_NAMES: tuple[str, ...] = tuple(k for k in InitOptions.__annotations__ if k in LaunchSettings.names())
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An integer that is not a bool (``True`` is no process count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -257,7 +257,7 @@ def _integer(name: str, value: object, call: str) -> object:
     if name == "fsdp_min_params" and isinstance(value, float) and value.is_integer():
         value = int(value)  # 1e6 is a fine parameter count
     span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-    if not is_int(value) or value < low or (high is not None and value > high):  # type: ignore[operator]
+    if not is_int(value) or value < low or (high is not None and value > high):
         raise _bad(call, name, value, span, fix)
     return value
 

@@ -45,6 +45,7 @@ from typing_extensions import ParamSpec
 from . import _state
 from ._backends import select_backend
 from ._oom_agreement import Team, break_group, drop_frames, is_lost_peer, summary
+from ._options import is_int
 from .errors import NoExecutableBatchSizeError
 
 P = ParamSpec("P")
@@ -90,7 +91,7 @@ def find_executable_batch_size(function: Any = None, /, *, starting_batch_size: 
     if function is None:
         start = _check_start(starting_batch_size)
         return lambda f: _wrap(f, start)
-    if isinstance(function, int) and not isinstance(function, bool):
+    if is_int(function):
         raise TypeError(
             f"@accelkit.find_executable_batch_size({function!r}): the starting size is a keyword argument; "
             f"did you mean @ak.find_executable_batch_size(starting_batch_size={function!r})?"
@@ -276,7 +277,7 @@ def _without_batch_size(sig: inspect.Signature, skip: int = 0) -> inspect.Signat
 
 
 def _check_start(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(
             f"accelkit.find_executable_batch_size(starting_batch_size={value!r}): expected an integer, "
             f"e.g. starting_batch_size=128"

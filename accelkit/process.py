@@ -13,6 +13,7 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from . import _state
+from ._options import is_int
 from ._state import ProcessState
 
 P = ParamSpec("P")
@@ -108,7 +109,7 @@ def wait_for_everyone() -> None:
     """
     st = _state.get()
     if st.distributed:
-        from .collectives._api import barrier
+        from .collectives import barrier
 
         barrier(st)
 
@@ -188,7 +189,7 @@ def on_process(rank: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
             f"@accelkit.on_process needs the rank to run on; write @ak.on_process(0) "
             f"above {getattr(rank, '__qualname__', rank)!r}"
         )
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    if not is_int(rank) or rank < 0:
         raise ValueError(f"accelkit.on_process(rank={rank!r}): expected a global rank, an integer >= 0")
     return _only_when(lambda st: st.rank == rank)
 
@@ -234,7 +235,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         >>> import accelkit as ak
         >>> ak.set_seed(0)
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"accelkit.set_seed(seed={seed!r}): expected an integer, e.g. set_seed(42)")
     if device_specific:
         seed += _state.get().rank
@@ -272,6 +273,6 @@ def check_breakpoint() -> bool:
     flag = _state.this_process.take_breakpoint()
     if not st.distributed:
         return flag
-    from .collectives._api import any_rank
+    from .collectives import any_rank
 
     return any_rank(st, "check_breakpoint", flag)

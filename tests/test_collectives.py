@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from generators import DTYPES, FLOAT_DTYPES, Box, Leaf, blueprints, build, leaves, objects, rebuild, tensors
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from strategies import DTYPES, FLOAT_DTYPES, Box, Leaf, blueprints, build, leaves, objects, rebuild, tensors
 
 import accelkit as ak
 from accelkit.testing import WorkerPool

@@ -224,6 +224,24 @@ def test_a_hang_names_the_missing_rank(
     assert re.search(rf"accelkit: rank 0: still waiting for rank 1 at {label} #1 \(\d s\)", err), err[-2000:]
 
 
+def test_a_timeout_shorter_than_the_wait_line_interval_still_says_whom_it_waits_for(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The "still waiting" lines come every 30 s; a 3 s timeout still gets one, before it fires.
+    monkeypatch.delenv("ACCELKIT_WAIT_LOG_INTERVAL", raising=False)
+    with WorkerPool(2, timeout=3.0) as workers:
+        workers.run(ak.world_size)
+        with pytest.raises(ak.WorkerError):
+            workers.run(hang_in, "barrier", task_timeout=60)
+    err = capfd.readouterr().err
+    waiting = re.findall(r"accelkit: rank 0: still waiting for rank 1 at wait_for_everyone #1 \((\d+) s\)\n(.*)", err)
+    assert len(waiting) == 1, err[-2000:]
+    waited, where = waiting[0]
+    assert int(waited) < 3, "the line comes before the timeout"
+    assert where.startswith("accelkit: rank 0: - process 1: before its first collective, running "), where
+    assert where.endswith("in hang_in"), where
+
+
 def test_a_rank_that_stays_on_one_line_is_said_to_be_there_since_then() -> None:
     # Its heartbeat publishes when its place changes: a rank asleep on one line is not "last heard" long ago.
     from accelkit._group import Position

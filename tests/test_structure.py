@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ class Module:
     is_package: bool
     imports: set[str] = field(default_factory=set)  # every import (module- and function-level)
     top_level: set[str] = field(default_factory=set)  # imports run when the module is imported
+    typed: set[str] = field(default_factory=set)  # imports for type checkers only (under TYPE_CHECKING)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -54,6 +56,18 @@ def _parse(path: Path) -> Module:
     def visit(nodes: list[ast.stmt], top: bool) -> None:
         for node in nodes:
             if isinstance(node, ast.If) and _is_type_checking(node.test):
+                module.typed.update(
+                    name
+                    for inner in node.body
+                    for child in ast.walk(inner)
+                    for name in (
+                        [a.name for a in child.names]
+                        if isinstance(child, ast.Import)
+                        else target(child)
+                        if isinstance(child, ast.ImportFrom)
+                        else []
+                    )
+                )
                 visit(node.orelse, top)
                 continue
             found: list[str] = []
@@ -88,11 +102,15 @@ def _resolve(name: str) -> str | None:
 
 def _edges(module: Module, imports: set[str]) -> set[str]:
     """Modules that importing ``imports`` executes: each target and the packages above it (their
-    ``__init__``), except the importer's own packages, which are already running."""
+    ``__init__``), except the importer's own packages, which are already running. A name taken from
+    an own package's ``__init__`` (``from . import Protocol``) is an edge to it: the module needs
+    what that ``__init__`` defines, so an ``__init__`` importing it back is a loop inside the package."""
     out: set[str] = set()
     own = {module.name.rsplit(".", k)[0] for k in range(1, module.name.count(".") + 1)}
     for name in imports:
         target = _resolve(name) if name.startswith("accelkit") else None
+        if target in own and name != target:
+            out.add(target)
         while target and target != module.name and target not in own:
             out.add(target)
             target = target.rpartition(".")[0] or None
@@ -130,9 +148,68 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# A loop being removed: the strategies' __init__ holds the protocol and imports the implementations.
+CYCLE_WAIVERS: list[list[str]] = []
+
+
 def test_no_import_cycles() -> None:
     graph = {name: _edges(m, m.imports) for name, m in MODULES.items()}
-    assert _cycles(graph) == []
+    found = _cycles(graph)
+    assert [c for c in found if c not in CYCLE_WAIVERS] == []
+    assert [c for c in CYCLE_WAIVERS if c not in found] == []  # a waiver goes with its loop
+
+
+def test_the_cycle_finder_sees_a_loop_inside_a_package() -> None:
+    # A package's __init__ imports its implementation, which takes a name from that __init__.
+    init = Module("accelkit.pkg", PACKAGE, is_package=True, imports={"accelkit.pkg.impl"})
+    impl = Module("accelkit.pkg.impl", PACKAGE, is_package=False, imports={"accelkit.pkg.Protocol"})
+    saved = dict(MODULES)
+    MODULES.update({init.name: init, impl.name: impl})
+    try:
+        graph = {m.name: _edges(m, m.imports) for m in (init, impl)}
+    finally:
+        MODULES.clear()
+        MODULES.update(saved)
+    assert _cycles(graph) == [["accelkit.pkg", "accelkit.pkg.impl"]]
+
+
+# Imports of the launcher's private modules, being removed (the launcher's face is being built).
+PRIVATE_MODULE_WAIVERS = {
+    "accelkit.cli._mpirun -> accelkit.launcher._failures",
+    "accelkit.cli._mpirun -> accelkit.launcher._rendezvous",
+    "accelkit.cli._worker -> accelkit.launcher._failures",
+    "accelkit.cli._worker -> accelkit.launcher._lifeline",
+    "accelkit.cli.env -> accelkit.launcher._netif",
+    "accelkit.cli.launch -> accelkit.launcher._agent",
+    "accelkit.cli.launch -> accelkit.launcher._failures",
+    "accelkit.cli.launch -> accelkit.launcher._spec",
+    "accelkit.data._build -> accelkit.launcher._lifeline",
+    "accelkit.testing -> accelkit.launcher._agent",
+    "accelkit.testing -> accelkit.launcher._failures",
+    "accelkit.testing -> accelkit.launcher._rendezvous",
+}
+
+
+def _private_home(target: str) -> str | None:
+    """The package whose private module ``target`` is (``accelkit.pkg._mod`` -> ``accelkit.pkg``), else None."""
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].startswith("_") and not parts[i].startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def test_no_private_module_is_imported_from_another_package() -> None:
+    # A sibling package uses what a package's __init__ exports, not its private modules.
+    crossings = set()
+    for name, module in MODULES.items():
+        for imported in module.imports | module.typed:
+            target = _resolve(imported) if imported.startswith("accelkit") else None
+            home = _private_home(target) if target else None
+            if home and name != home and not name.startswith(home + "."):
+                crossings.add(f"{name} -> {target}")
+    assert sorted(crossings - PRIVATE_MODULE_WAIVERS) == []
+    assert sorted(PRIVATE_MODULE_WAIVERS - crossings) == []  # a waiver goes with its import
 
 
 def test_the_command_line_imports_no_torch_at_module_level() -> None:
@@ -186,6 +263,21 @@ def test_no_private_name_crosses_a_module_boundary() -> None:
                 if private and f"{home}.{node.attr}" not in MODULES:
                     crossings.append(f"{name}: {home}.{node.attr}")
     assert crossings == []
+
+
+# Hand-written checks in modules being reworked elsewhere: being removed.
+INT_CHECK_WAIVERS = {"accelkit.collectives._api": 3, "accelkit.training._step": 1}
+
+
+def test_the_bool_or_int_check_is_written_once() -> None:
+    # ``_options.is_int``: True is an int to isinstance, and no process count, rank or step.
+    pattern = re.compile(
+        r"isinstance\((?P<a>[\w.]+), bool\) or not isinstance\((?P=a), int\)"
+        r"|isinstance\((?P<b>[\w.]+), int\) and not isinstance\((?P=b), bool\)"
+    )
+    found = {name: len(pattern.findall(m.path.read_text())) for name, m in MODULES.items()}
+    found = {name: n for name, n in found.items() if n and name != "accelkit._options"}
+    assert found == INT_CHECK_WAIVERS
 
 
 def test_the_root_stays_short_and_modules_small() -> None:

@@ -109,7 +109,9 @@ def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> N
     # The heartbeat's own connection, with a short timeout: a store gone away must not hold it for minutes.
     client = dist.TCPStore(address[0], address[1], None, False, timedelta(seconds=5), wait_for_workers=False)  # type: ignore[attr-defined]
     group.store, group.board = client, f"{group.prefix}/board"
-    group.heartbeat = Heartbeat(client, group.board, st.rank, st.world_size, group, wait_log_interval())
+    group.heartbeat = Heartbeat(
+        client, group.board, st.rank, st.world_size, group, wait_log_interval(), st.options.timeout
+    )
     group.heartbeat.start()
 
 

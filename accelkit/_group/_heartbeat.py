@@ -6,7 +6,9 @@ and this thread never reads a live call or tensor. Every ``period`` seconds (1, 
 ranks: :func:`heartbeat_period`) it reads the snapshot and, when it changed, publishes it with the
 user's line the rank is running now. While the rank has been waiting in one collective for
 ``interval`` seconds (30 by default, ``ACCELKIT_WAIT_LOG_INTERVAL``; 0 turns it off), it prints one
-line every ``interval`` seconds naming the ranks that have not arrived and where they are.
+line every ``interval`` seconds naming the ranks that have not arrived and where they are. A
+collective timeout shorter than twice that brings the first line forward to half the timeout, so
+that a wait the timeout ends still says, first, whom it waited for.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from .. import _env, _frames
 from ._board import Position, describe_missing, find_conflict, publish, read_positions
 
-__all__ = ["Heartbeat", "heartbeat_period", "wait_log_interval"]
+__all__ = ["Heartbeat", "first_line_after", "heartbeat_period", "wait_log_interval"]
 
 DEFAULT_INTERVAL = 30.0
 _TORCH = f"{os.sep}torch{os.sep}"  # the user's line is the one below torch's own frames
@@ -45,18 +47,32 @@ def wait_log_interval() -> float:
     return _env.read_seconds(_env.WAIT_LOG_INTERVAL, DEFAULT_INTERVAL)
 
 
+def first_line_after(interval: float, timeout: float | None) -> float:
+    """Seconds into a wait of the first "still waiting" line: ``interval``, or half of a shorter ``timeout``.
+
+    Example:
+        >>> first_line_after(30.0, 600.0), first_line_after(30.0, 3.0), first_line_after(0.0, 3.0)
+        (30.0, 1.5, 0.0)
+    """
+    return min(interval, timeout / 2) if interval > 0 and timeout else interval
+
+
 class Heartbeat(threading.Thread):
     """Publishes this rank's position through ``store`` until :meth:`stop`.
 
     ``group`` is the state's ``GroupState`` (its ``now`` snapshot is read, nothing is written);
-    ``store`` a client with a short timeout, used by this thread only.
+    ``store`` a client with a short timeout, used by this thread only; ``timeout`` the collectives'
+    timeout in seconds (None: not known), which a wait's first line comes before.
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, world: int, group: Any, interval: float) -> None:
+    def __init__(
+        self, store: Any, prefix: str, rank: int, world: int, group: Any, interval: float, timeout: float | None = None
+    ) -> None:
         super().__init__(name=f"accelkit-heartbeat-rank{rank}", daemon=True)
         self.store, self.prefix, self.rank, self.world, self.group = store, prefix, rank, world, group
         self.interval = interval
-        self.period = heartbeat_period(world, interval)
+        self.first = first_line_after(interval, timeout)
+        self.period = heartbeat_period(world, self.first)
         self._stopped = threading.Event()
         self._last: tuple[Any, ...] = ()
         self._reported = 0  # "still waiting" lines printed for the current wait
@@ -97,7 +113,7 @@ class Heartbeat(threading.Thread):
             self._reported = 0
             self._next_read = 2 * self.period
         waited = mono - now.since
-        line_due = self.interval > 0 and waited >= self.interval * (self._reported + 1)
+        line_due = self.interval > 0 and waited >= self.first + self.interval * self._reported
         if not inside or (waited < self._next_read and not line_due):
             return
         # Every waiting rank reads every rank's position: the longer the wait, the rarer the reads

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._options import is_int
 from .._safe_io import CheckpointError, FileRecord, checksum
 from .._version import __version__
 
@@ -56,7 +57,7 @@ def build(
         "format": FORMAT,
         "version": VERSION,
         "world_size": world_size,
-        "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+        "step": step if is_int(step) else None,
         "created_ns": time.time_ns(),
         "accelkit": __version__,
         "torch": torch.__version__,

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import _safe_io
 from ..errors import CheckpointError
-from ..training._optim import PreparedOptimizer
+from ..training import PreparedOptimizer
 
 __all__ = [
     "SUFFIX",

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from .._options import is_int
 from .._version import __version__
 
 __all__ = [
@@ -95,7 +96,7 @@ def launch_warnings(num_local_processes: int) -> list[str]:
         >>> launch_warnings(1)  # doctest: +SKIP
         []
     """
-    if isinstance(num_local_processes, bool) or not isinstance(num_local_processes, int) or num_local_processes < 1:
+    if not is_int(num_local_processes) or num_local_processes < 1:
         raise ValueError(
             f"launch_warnings(num_local_processes={num_local_processes!r}): expected the number of processes "
             f"started on this node, an integer >= 1"

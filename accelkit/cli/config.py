@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import write_basic_config
-    from ..config._file import default_config_path, write_config
+    from ..config import default_config_path, write_basic_config, write_config
     from ..errors import ConfigurationError
 
     path = Path(args.config_file).expanduser() if args.config_file else default_config_path()

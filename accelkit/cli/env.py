@@ -109,7 +109,7 @@ def describe_network(master_addr: str) -> dict[str, str]:
 
 def installed_trackers() -> dict[str, str]:
     """Each tracker's version, or the line that installs it (nothing is imported to find out)."""
-    from ..tracking._registry import KINDS, installed_versions
+    from ..tracking import KINDS, installed_versions
 
     return {name: version or f"not installed ({KINDS[name].install})" for name, version in installed_versions().items()}
 

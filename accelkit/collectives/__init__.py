@@ -3,6 +3,8 @@
 from ._api import (
     REDUCE_OPS,
     ReduceOp,
+    any_rank,
+    barrier,
     broadcast,
     broadcast_object,
     gather,
@@ -12,5 +14,5 @@ from ._api import (
     settle,
 )
 
-__all__ = ["REDUCE_OPS", "ReduceOp", "broadcast", "broadcast_object", "gather", "gather_object",
-           "pad_across_processes", "reduce", "settle"]  # fmt: skip
+__all__ = ["REDUCE_OPS", "ReduceOp", "any_rank", "barrier", "broadcast", "broadcast_object", "gather",
+           "gather_object", "pad_across_processes", "reduce", "settle"]  # fmt: skip

@@ -109,7 +109,7 @@ class Fields:
         return out
 
     def check_node_rank(self, rank: object, nodes: object, rank_key: str, nodes_key: str) -> None:
-        if is_int(rank) and rank >= (nodes if is_int(nodes) else 1):  # type: ignore[operator]
+        if is_int(rank) and rank >= (nodes if is_int(nodes) else 1):
             raise self.error(rank_key, f"{rank} must be below {nodes_key} ({nodes or 1}); node ranks count from 0")
 
 

@@ -164,7 +164,7 @@ def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[
         >>> [b.tolist() for b in ak.skip_first_batches(loader, 2)]
         [[4, 5]]
     """
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int):
+    if not is_int(num_batches):
         raise TypeError(f"accelkit.skip_first_batches(num_batches={num_batches!r}): expected an integer, e.g. 3")
     if num_batches < 0:
         raise ValueError(

@@ -5,8 +5,20 @@ them; ``ak.progress`` draws a bar on the local main process; ``ak.profile`` writ
 ``torch.profiler`` trace per rank. No tracker library and no tqdm is imported until it is used.
 """
 
-from ._api import Trackers, end_training, get_tracker, init_trackers, log
 from ._profile import profile
 from ._progress import ProgressBar, progress
+from ._registry import KINDS, installed_versions
+from ._run import Trackers, end_training, get_tracker, init_trackers, log
 
-__all__ = ["ProgressBar", "Trackers", "end_training", "get_tracker", "init_trackers", "log", "profile", "progress"]
+__all__ = [
+    "KINDS",
+    "ProgressBar",
+    "Trackers",
+    "end_training",
+    "get_tracker",
+    "init_trackers",
+    "installed_versions",
+    "log",
+    "profile",
+    "progress",
+]

@@ -3,7 +3,7 @@
 Only the main process writes: it starts one run per tracker under ``project_dir/project_name/``.
 The other ranks remember that they do not write, so their ``ak.log`` returns at once: no
 collective, no tensor is read (a ``.item()`` there would be a device sync for nothing).
-The running trackers' life cycle is in ``_running``: ``ak.reset_state()`` and ``ak.end_training()``
+The running trackers' life cycle is in ``_lifecycle``: ``ak.reset_state()`` and ``ak.end_training()``
 flush and close them, and so do interpreter exit and a failing worker.
 """
 
@@ -20,7 +20,7 @@ from .. import _env, _state
 from .._options import TRACKERS
 from ..config import resolve
 from . import _registry
-from ._running import TrackingState, current_tracking, end_trackers, start_tracking
+from ._lifecycle import TrackingState, current_tracking, end_trackers, start_tracking
 from ._values import config_dict, scalars, take_step
 
 __all__ = ["Trackers", "end_training", "get_tracker", "init_trackers", "log"]

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from .. import _group, _state
+from .._options import is_int
 from ..errors import CheckpointError
 from . import _async, _full, _load, _manifest, _objects, _rank_state, _save
 from ._agree import Agreement
@@ -72,7 +73,7 @@ def save_state(
             f"{call}: nothing to save; name what to save, e.g. ak.save_state(directory, model=model, "
             f"optimizer=optimizer, scheduler=scheduler, step=step) (accelkit does not save prepared objects by itself)"
         )
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+    if keep_last is not None and (not is_int(keep_last) or keep_last < 1):
         raise ValueError(f"{call}: keep_last={keep_last!r}; expected None or an integer >= 1, e.g. keep_last=3")
     for name, flag in (("blocking", blocking), ("full_state", full_state)):
         if not isinstance(flag, bool):
