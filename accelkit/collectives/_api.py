@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 
 from .. import _state, _tree
-from .._options import suggest
+from .._options import is_int, suggest
 from .._state import ProcessState
 from . import _checked, _debug, _exchange, _signature
 from ._scope import collective as _collective
@@ -256,7 +256,7 @@ def _refuse(st: ProcessState, op: str, params: dict[str, Any], problem: BaseExce
         compare_calls(st, op, params, problem=problem)  # the other ranks raise too
         return
     src = params.get("src")
-    if src is not None and not (isinstance(src, int) and not isinstance(src, bool) and 0 <= src < st.world_size):
+    if src is not None and not (is_int(src) and 0 <= src < st.world_size):
         return  # no rank can send from there: every rank raises the same error by itself
     if not st.options.check_collectives:
         return  # nothing tells the others: they wait (the price of unchecked collectives)
@@ -305,7 +305,7 @@ _REDUCE_CHECKS = {op: _reduce_check(op) for op in REDUCE_OPS}
 
 def _pad_check(dim: int, pad_index: Any, pad_first: bool) -> Check:
     def check(leaves: list[torch.Tensor], spec: _tree.TreeSpec) -> None:
-        if isinstance(dim, bool) or not isinstance(dim, int):
+        if not is_int(dim):
             raise TypeError(f"accelkit.pad_across_processes(dim={dim!r}): expected an integer dimension")
         if not isinstance(pad_index, (int, float)):
             raise TypeError(f"accelkit.pad_across_processes(pad_index={pad_index!r}): expected a number to pad with")
@@ -316,7 +316,7 @@ def _pad_check(dim: int, pad_index: Any, pad_first: bool) -> Check:
 
 
 def _check_src(op: str, src: Any, st: ProcessState) -> None:
-    if isinstance(src, bool) or not isinstance(src, int):
+    if not is_int(src):
         raise TypeError(f"accelkit.{op}(src={src!r}): expected the integer rank to send from, e.g. src=0")
     if not 0 <= src < st.world_size:
         raise ValueError(
