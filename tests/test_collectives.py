@@ -86,6 +86,29 @@ def test_bad_src(collective: Any) -> None:
         collective(torch.zeros(1), src="0")
 
 
+def test_headers_are_read_at_their_place_in_views_on_the_host_and_as_on_a_device() -> None:
+    # The verdict's two forms (host, device) read each rank's header where it lies, also inside a view
+    # that starts further into its storage (a broadcast receiver's message tail), and agree.
+    from accelkit.collectives import _check
+    from accelkit.collectives._signature import AGREE, HEADER
+
+    mine = bytes(range(1, HEADER + 1))
+    for ranks, width, at, lead in ((1, 100, 36, 0), (3, 80, 16, 0), (2, 70, 6, 11)):
+        storage = torch.zeros(lead + ranks * width, dtype=torch.uint8)
+        messages = storage[lead:]
+        for r in range(ranks):
+            messages[r * width + at : r * width + at + HEADER] = torch.tensor(list(mine), dtype=torch.uint8)
+        header = torch.tensor(list(mine), dtype=torch.uint8)
+        assert _check.headers_agree(messages, ranks, width, at, mine)
+        assert bool(_check.headers_agree_on_device(messages, ranks, width, at, header))
+        messages[(ranks - 1) * width + at + AGREE - 1] ^= 1  # the last rank's fingerprint differs
+        assert not _check.headers_agree(messages, ranks, width, at, mine)
+        assert not bool(_check.headers_agree_on_device(messages, ranks, width, at, header))
+        messages[(ranks - 1) * width + at + AGREE - 1] ^= 1
+        messages[(ranks - 1) * width + at + AGREE] ^= 1  # beyond the agreed bytes: the length may differ
+        assert _check.headers_agree(messages, ranks, width, at, mine)
+
+
 def test_pad_rejects_a_dim_that_is_no_integer() -> None:
     with pytest.raises(TypeError, match=r"dim=1.5.*integer"):
         ak.pad_across_processes(torch.zeros(2), dim=1.5)  # type: ignore[arg-type]

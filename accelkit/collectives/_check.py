@@ -77,7 +77,7 @@ def header_tensor(header: bytes, device: torch.device) -> torch.Tensor:
 
 def headers_agree(gathered: torch.Tensor, ranks: int, width: int, at: int, mine: bytes) -> bool:
     """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``."""
-    theirs = gathered.as_strided((ranks, AGREE), (width, 1), at)
+    theirs = gathered.as_strided((ranks, AGREE), (width, 1), gathered.storage_offset() + at)
     if ranks <= 16:  # compared on the host as numbers: fewer tensor operations
         want = list(mine[:AGREE])
         return all(row == want for row in theirs.tolist())
@@ -88,7 +88,8 @@ def headers_agree_on_device(
     gathered: torch.Tensor, ranks: int, width: int, at: int, mine: torch.Tensor
 ) -> torch.Tensor:
     """:func:`headers_agree` as a device tensor (a 0-d bool), for :class:`Deferred`."""
-    return (gathered.as_strided((ranks, AGREE), (width, 1), at) == mine[:AGREE]).all()
+    theirs = gathered.as_strided((ranks, AGREE), (width, 1), gathered.storage_offset() + at)
+    return (theirs == mine[:AGREE]).all()
 
 
 @dataclass

@@ -151,7 +151,9 @@ class Broadcast:
         tail = message[at : at + HEADER]
         if st.device.type != "cpu":
             self.tail_seen = tail.clone()
-            return out, _check.headers_agree_on_device(tail, 1, HEADER, 0, _check.header_tensor(header, st.device))
+            return out, _check.headers_agree_on_device(
+                message, 1, message.numel(), at, _check.header_tensor(header, st.device)
+            )
         self.theirs = bytes(tail.tolist())
         return out, self.theirs[:AGREE] == header[:AGREE]
 
