@@ -333,6 +333,29 @@ def test_disk_full_raises_and_keeps_the_previous(tmp_path: Path, monkeypatch: py
     assert not (tmp_path / "b").exists()
 
 
+def test_a_failed_fsync_fails_the_save_and_keeps_the_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are fsynced on threads of their own, beside the next writes: a failure there still stops the commit."""
+    save_pair(tmp_path / "a", 1.0)
+    fsync, synced = os.fsync, []
+
+    def failing_fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append(name)
+        if name.endswith("model.pt"):
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointError, match=r"(?s)nothing was committed.*Input/output error: .*model\.pt"):
+        save_pair(tmp_path / "b", 2.0)
+    monkeypatch.undo()
+    assert any(name.endswith("model.pt") for name in synced)
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and saved_fill(tmp_path / "a") == 1.0
+    assert not (tmp_path / "b").exists()
+    save_pair(tmp_path / "b", 2.0)  # the next save goes through
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "b" and saved_fill(tmp_path / "b") == 2.0
+
+
 def save_with_full_disk_on_rank_1(root: str) -> None:
     ak.save_state(f"{root}/a", model=ak.prepare(small_model(1.0)), step=1)
     write = _safe_io._write
