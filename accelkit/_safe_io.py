@@ -34,6 +34,7 @@ __all__ = [
     "HashingWriter",
     "check_file",
     "crash_point",
+    "crc32_combine",
     "fsync_dir",
     "open_hashed",
     "swap",
@@ -245,19 +246,68 @@ def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: 
 
 def check_file(path: Path, record: FileRecord) -> str | None:
     """What is wrong with ``path`` against its manifest ``record``, or None if nothing."""
+    problem = size_problem(path, record)
+    if problem is not None:
+        return problem
+    crc = 0
+    if record["size"]:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            crc = zlib.crc32(m)
+    return crc_problem(crc, record)
+
+
+def size_problem(path: Path, record: FileRecord) -> str | None:
+    """Why ``path`` is not the file of ``record`` by its size (missing, truncated), or None."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         return "is missing"
     if size != record["size"]:
         return f"is {size} bytes but the manifest says {record['size']} (truncated or overwritten)"
-    crc = 0
-    if size:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            crc = zlib.crc32(m)
+    return None
+
+
+def crc_problem(crc: int, record: FileRecord) -> str | None:
+    """Why a file whose bytes have CRC-32 ``crc`` is not the file of ``record``, or None."""
     if checksum(crc) != record["checksum"]:
         return f"has checksum {checksum(crc)} but the manifest says {record['checksum']} (its bytes were changed)"
     return None
+
+
+_POLY = 0xEDB88320  # CRC-32's polynomial, in zlib's reflected bit order
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo CRC-32's polynomial (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1`` of A, ``crc2`` of B and B's length (zlib's ``crc32_combine``).
+
+    Example:
+        >>> import zlib
+        >>> crc32_combine(zlib.crc32(b"check"), zlib.crc32(b"sum"), 3) == zlib.crc32(b"checksum")
+        True
+    """
+    n, k, x = len2, 3, 1 << 31  # x^(8 * len2): a shift of crc1 past B's bytes
+    while n:
+        if n & 1:
+            x = _multmodp(_X2N[k & 31], x)
+        n, k = n >> 1, k + 1
+    return _multmodp(x, crc1) ^ crc2
 
 
 def fsync_dir(path: Path, flusher: Flusher | None = None) -> None:
