@@ -1,8 +1,10 @@
 """Durable, verifiable files: checksummed fsynced writes, atomic replacement and swaps.
 
 Every byte a checkpoint writes goes through :func:`write_file`, which checksums (CRC-32)
-while writing and fsyncs before returning; :func:`check_file` verifies a file against
-its recorded size and checksum. :func:`crash_point` marks the moments tests break into.
+while writing and fsyncs before returning, or, given a :class:`Flusher`, on a helper thread
+while the next file is written, at the same time as the other fsyncs of the save;
+:func:`check_file` verifies a file against its recorded size and checksum.
+:func:`crash_point` marks the moments tests break into.
 Smaller files (the config file, a worker's failure record, exported weights) are replaced
 whole with :func:`write_atomic`: readers see the old file or the new one, never a part.
 """
@@ -16,9 +18,11 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
 from .errors import CheckpointError
@@ -26,9 +30,11 @@ from .errors import CheckpointError
 __all__ = [
     "CheckpointError",
     "FileRecord",
+    "Flusher",
     "HashingWriter",
     "check_file",
     "crash_point",
+    "crc32_combine",
     "fsync_dir",
     "open_hashed",
     "swap",
@@ -51,6 +57,49 @@ def crash_point(label: str) -> None:
 def _write(f: IO[bytes], data: Any) -> int:
     """One write to an open file (a seam: tests replace it to simulate a full disk)."""
     return f.write(data)
+
+
+class Flusher:
+    """Fsyncs files and directories on threads of their own, at the same time as each other and the next writes.
+
+    An fsync mostly waits for the disk; several at once share the filesystem's journal
+    commits. :meth:`wait` (or the end of a ``with`` block) waits for all of them and raises
+    the first failure: past it, everything given to the flusher is durable.
+    """
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    def submit(self, sync: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                sync()
+            except BaseException as exc:  # raised by wait(), on the thread that saves
+                self._errors.append(exc)
+
+        thread = threading.Thread(target=run, name="accelkit-fsync")
+        thread.start()
+        self._threads.append(thread)
+
+    def wait(self) -> None:
+        """Wait for every fsync given so far; raise the first failure."""
+        threads, self._threads = self._threads, []
+        for thread in threads:
+            thread.join()
+        errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Flusher:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None:
+            self.wait()
+            return
+        with contextlib.suppress(BaseException):  # the error on its way out says what went wrong first
+            self.wait()
 
 
 class HashingWriter:
@@ -99,30 +148,59 @@ def checksum(crc: int) -> str:
 
 
 def write_file(
-    path: Path, produce: Callable[[Any], object], on_first_write: Callable[[], None] | None = None
+    path: Path,
+    produce: Callable[[Any], object],
+    on_first_write: Callable[[], None] | None = None,
+    flusher: Flusher | None = None,
 ) -> FileRecord:
     """Create ``path`` (it must not exist) with what ``produce(file)`` writes; fsynced.
 
     Returns its size and checksum for the manifest. ``on_first_write`` runs once, before the first byte.
+    With ``flusher``, the fsync runs on its threads: the file is durable once ``flusher.wait()`` has returned.
     """
-    with open_hashed(path, on_first_write) as writer:
+    with open_hashed(path, on_first_write, flusher) as writer:
         produce(writer)
     return writer.record()
 
 
 @contextlib.contextmanager
-def open_hashed(path: Path, on_first_write: Callable[[], None] | None = None) -> Iterator[HashingWriter]:
+def open_hashed(
+    path: Path, on_first_write: Callable[[], None] | None = None, flusher: Flusher | None = None
+) -> Iterator[HashingWriter]:
     """Create ``path`` (it must not exist) and yield a checksumming writer to it; fsynced at the end.
 
-    ``writer.record()`` then gives its size and checksum for the manifest.
+    ``writer.record()`` then gives its size and checksum for the manifest. With ``flusher``,
+    the file is fsynced and closed on the flusher's thread instead.
     """
-    label = path.name
-    crash_point(f"before-file:{label}")
-    try:
-        with open(path, "xb") as f:
-            yield HashingWriter(f, label, on_first_write)
+    crash_point(f"before-file:{path.name}")
+    with _naming(path):
+        f = open(path, "xb")  # closed below on failure, else by _finish
+        try:
+            yield HashingWriter(f, path.name, on_first_write)
             f.flush()
+        except BaseException:
+            f.close()
+            raise
+    if flusher is None:
+        _finish(path, f)
+    else:
+        flusher.submit(lambda: _finish(path, f))
+
+
+def _finish(path: Path, f: IO[bytes]) -> None:
+    with _naming(path):
+        try:
             os.fsync(f.fileno())
+        finally:
+            f.close()
+    crash_point(f"after-file:{path.name}")
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError raised in the block names ``path``."""
+    try:
+        yield
     except OSError as exc:
         if exc.filename:
             raise
@@ -132,7 +210,6 @@ def open_hashed(path: Path, on_first_write: Callable[[], None] | None = None) ->
         if isinstance(cause, OSError):
             raise OSError(cause.errno, cause.strerror, str(path)) from exc
         raise
-    crash_point(f"after-file:{label}")
 
 
 def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: int = 0o644) -> None:
@@ -169,23 +246,75 @@ def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: 
 
 def check_file(path: Path, record: FileRecord) -> str | None:
     """What is wrong with ``path`` against its manifest ``record``, or None if nothing."""
+    problem = size_problem(path, record)
+    if problem is not None:
+        return problem
+    crc = 0
+    if record["size"]:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            crc = zlib.crc32(m)
+    return crc_problem(crc, record)
+
+
+def size_problem(path: Path, record: FileRecord) -> str | None:
+    """Why ``path`` is not the file of ``record`` by its size (missing, truncated), or None."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
         return "is missing"
     if size != record["size"]:
         return f"is {size} bytes but the manifest says {record['size']} (truncated or overwritten)"
-    crc = 0
-    if size:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            crc = zlib.crc32(m)
+    return None
+
+
+def crc_problem(crc: int, record: FileRecord) -> str | None:
+    """Why a file whose bytes have CRC-32 ``crc`` is not the file of ``record``, or None."""
     if checksum(crc) != record["checksum"]:
         return f"has checksum {checksum(crc)} but the manifest says {record['checksum']} (its bytes were changed)"
     return None
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the entries of directory ``path`` (created, renamed files) durable."""
+_POLY = 0xEDB88320  # CRC-32's polynomial, in zlib's reflected bit order
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo CRC-32's polynomial (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1`` of A, ``crc2`` of B and B's length (zlib's ``crc32_combine``).
+
+    Example:
+        >>> import zlib
+        >>> crc32_combine(zlib.crc32(b"check"), zlib.crc32(b"sum"), 3) == zlib.crc32(b"checksum")
+        True
+    """
+    n, k, x = len2, 3, 1 << 31  # x^(8 * len2): a shift of crc1 past B's bytes
+    while n:
+        if n & 1:
+            x = _multmodp(_X2N[k & 31], x)
+        n, k = n >> 1, k + 1
+    return _multmodp(x, crc1) ^ crc2
+
+
+def fsync_dir(path: Path, flusher: Flusher | None = None) -> None:
+    """Make the entries of directory ``path`` (created, renamed files) durable (by ``flusher``)."""
+    if flusher is not None:
+        flusher.submit(lambda: fsync_dir(path))
+        return
     if os.name != "posix":  # Windows cannot open directories; NTFS journals metadata
         return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

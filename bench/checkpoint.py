@@ -2,22 +2,24 @@
 
 The state: a ~67 MB model and its AdamW optimizer (~133 MB of moments), ~200 MB in all.
 The reference saves ``{"model": sd, "optimizer": sd}`` in one ``torch.save`` to a path and
-fsyncs the file (fsync on both sides: accelkit fsyncs every file and directory it writes; the
-reference has no checksum, manifest or rename), and loads it with ``torch.load(weights_only=True)``
-+ both ``load_state_dict``; accelkit does the same work through its commit protocol and its
-verified load (every byte checksummed). Samples are paired and alternate in order; the target
-is a median paired ratio >= 0.9 (``ok``).
+fsyncs the file (fsync on both sides: accelkit fsyncs every file it writes, the manifest, the
+temporary directory and, after the rename, its parent; the reference has no checksum, manifest
+or rename, and torch.save computes its zip records' CRC-32 as it does by default), and loads it
+with ``torch.load(weights_only=True)`` + both ``load_state_dict``; accelkit does the same work
+through its commit protocol and its verified load (every byte checksummed). Samples are paired
+and alternate in order; the target is a median paired ratio >= 0.9 (``ok``).
 
 The sharded rows run the same state ``fully_shard``-ed over 2 gloo CPU processes: accelkit
 (DCP inside its commit protocol, checksummed while writing, verified and loaded into fresh
 tensors) against the plain recipe: ``dcp.save`` / ``dcp.load`` of ``get_state_dict`` and
-``set_state_dict`` (DCP fsyncs every file, no checksums, loaded in place). Times are rank 0's.
+``set_state_dict`` (DCP fsyncs every file, not its folder; no checksums, loaded in place).
+Times are rank 0's.
 
 The last row is the stall a training loop sees for ``save_state(blocking=False)`` of ~1 GB of
 state (a larger model and its AdamW moments), against the blocking save of the same state: the
 call returns once the state is copied to host memory, into buffers kept from the first
 asynchronous save (a warm-up save allocates them, and is not counted); target <= 0.1x.
-The machine is shared: every figure is a median of paired runs.
+The machine is shared: every figure is a median of paired runs, and moves from run to run.
 """
 
 from __future__ import annotations

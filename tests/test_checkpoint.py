@@ -267,6 +267,28 @@ def test_damaged_files_are_named_and_nothing_is_touched(tmp_path: Path, damage: 
     assert saved_fill(tmp_path / "a") == 1.0
 
 
+def test_a_changed_byte_in_any_piece_of_a_large_file_is_found(tmp_path: Path) -> None:
+    """Large files are checksummed in 16 MB pieces by two threads, and the pieces' CRC-32s combined."""
+    torch.manual_seed(0)
+    model = nn.Linear(2900, 2900)  # 33.6 MB of weights: three pieces
+    ak.save_state(tmp_path / "a", model=model)
+    path = tmp_path / "a" / "model.pt"
+    good = path.read_bytes()
+    assert len(good) > 2 * (16 << 20)
+    ak.load_state(tmp_path / "a", model=nn.Linear(2900, 2900))  # whole: the combined CRC-32 is the file's
+    for at in (100, (16 << 20) + 5, len(good) - (1 << 20)):  # in the first, second and last piece
+        path.write_bytes(good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1 :])
+        fresh = nn.Linear(2900, 2900)
+        before = fresh.weight.clone()
+        with pytest.raises(CheckpointError, match=r"model\.pt has checksum .* \(its bytes were changed\)"):
+            ak.load_state(tmp_path / "a", model=fresh)
+        assert torch.equal(fresh.weight, before), f"byte {at}: the model was changed"
+    path.write_bytes(good)
+    loaded = nn.Linear(2900, 2900)
+    ak.load_state(tmp_path / "a", model=loaded)
+    assert torch.equal(loaded.weight, model.weight)
+
+
 def test_missing_rank_file_is_an_error(tmp_path: Path) -> None:
     save_pair(tmp_path / "a", 1.0)
     os.remove(tmp_path / "a" / "rank-0.json")
@@ -331,6 +353,29 @@ def test_disk_full_raises_and_keeps_the_previous(tmp_path: Path, monkeypatch: py
     monkeypatch.undo()
     assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and saved_fill(tmp_path / "a") == 1.0
     assert not (tmp_path / "b").exists()
+
+
+def test_a_failed_fsync_fails_the_save_and_keeps_the_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are fsynced on threads of their own, beside the next writes: a failure there still stops the commit."""
+    save_pair(tmp_path / "a", 1.0)
+    fsync, synced = os.fsync, []
+
+    def failing_fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        synced.append(name)
+        if name.endswith("model.pt"):
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointError, match=r"(?s)nothing was committed.*Input/output error: .*model\.pt"):
+        save_pair(tmp_path / "b", 2.0)
+    monkeypatch.undo()
+    assert any(name.endswith("model.pt") for name in synced)
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and saved_fill(tmp_path / "a") == 1.0
+    assert not (tmp_path / "b").exists()
+    save_pair(tmp_path / "b", 2.0)  # the next save goes through
+    assert ak.latest_checkpoint(tmp_path) == tmp_path / "b" and saved_fill(tmp_path / "b") == 2.0
 
 
 def save_with_full_disk_on_rank_1(root: str) -> None:

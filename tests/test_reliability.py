@@ -42,7 +42,7 @@ from processes import RUNS_OF_TWENTY, alive, subprocess_env
 
 import accelkit as ak
 from accelkit.errors import WorkerFailure
-from accelkit.launcher._failures import collect_failures, record_failure
+from accelkit.launcher._failures import collect_failures, lost_peer, record_failure
 from accelkit.launcher._rendezvous import free_port
 from accelkit.testing import WorkerPool, run_distributed
 
@@ -516,6 +516,21 @@ def test_a_lost_peer_never_outranks_a_death(tmp_path: Path, monkeypatch: pytest.
     later = time.time() + 5  # the agent's stamp of rank 1's death, after rank 0's report
     agent = {1: type("Seen", (), {"exitcode": -signal.SIGKILL, "timestamp": later, "local_rank": 1})()}
     assert collect_failures(str(tmp_path), agent).ranks == [1, 0]
+
+
+def test_any_gloo_transport_error_is_a_lost_peer() -> None:
+    # A rank killed mid-save: its peer's later calls fail with other texts than the first "connection reset".
+    for text in (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:412] Socket closed [127.0.0.1]:41234",
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:201] Application timeout caused pair closure",
+    ):
+        assert lost_peer(RuntimeError(text)), text
+        consequence = WorkerFailure(
+            0, 0, 10, 1, DOE, text, "", timestamp=999.0, lost_peer=lost_peer(RuntimeError(text))
+        )
+        killed = WorkerFailure(1, 1, 11, -signal.SIGKILL, "", "", "", timestamp=1000.0)  # stamped after the stop
+        assert ak.WorkerError([consequence, killed]).ranks == [1, 0]
+    assert not lost_peer(ValueError("bad batch on rank 1"))
 
 
 def test_a_hang_is_headed_by_the_rank_that_hangs_not_the_one_that_gave_up() -> None:

@@ -3,7 +3,8 @@
 1. :func:`begin`: remove what crashed saves left beside the target (``.accelkit-tmp-*``,
    ``.accelkit-trash-*``), create the temporary directory (every rank then writes and
    fsyncs its files in it, and the ranks agree that all succeeded).
-2. :func:`commit`: write the manifest into it, fsync, then rename it into place in one
+2. :func:`commit`: write the manifest into it, fsync it, the directory and what is still
+   being fsynced of the other files (at the same time), then rename it into place in one
    step (an atomic exchange when the target exists), fsync the parent.
 3. :func:`prune`: only after that, remove the oldest committed checkpoints beyond ``keep_last``.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .._safe_io import CheckpointError, crash_point, fsync_dir, remove_tree, swap, write_file
+from .._safe_io import CheckpointError, Flusher, crash_point, fsync_dir, remove_tree, swap, write_file
 from . import _manifest
 from ._manifest import committed
 
@@ -45,11 +46,17 @@ def is_checkpoint(path: Path) -> bool:
     return True
 
 
-def commit(tmp: Path, target: Path, manifest: bytes) -> None:
-    """Main process: write the manifest, then move ``tmp`` into place in one rename."""
+def commit(tmp: Path, target: Path, manifest: bytes, flusher: Flusher | None = None) -> None:
+    """Main process: write the manifest, then move ``tmp`` into place in one rename.
+
+    ``flusher`` may still be fsyncing files of ``tmp``: the manifest and the directory are
+    fsynced beside them, and all are durable before the rename.
+    """
     crash_point("before-manifest")
-    write_file(tmp / _manifest.MANIFEST, lambda f: f.write(manifest))
-    fsync_dir(tmp)
+    flusher = flusher or Flusher()
+    write_file(tmp / _manifest.MANIFEST, lambda f: f.write(manifest), flusher=flusher)
+    fsync_dir(tmp, flusher)
+    flusher.wait()
     crash_point("before-rename")
     if target.exists() and swap(tmp, target):
         fsync_dir(target.parent)

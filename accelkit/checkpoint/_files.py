@@ -11,7 +11,9 @@ copied out of the mapping first, so that nothing handed over lives on in a check
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +21,30 @@ import torch
 
 from .. import _safe_io, _tree
 
-__all__ = ["load_torch", "owned", "write_bytes", "write_torch"]
+__all__ = ["load_torch", "no_zip_crc", "owned", "write_bytes", "write_torch"]
 
-_zip_crc = threading.Lock()  # our writers, each turning torch.save's record CRC off for its own file
+_zip_crc = threading.RLock()  # our writers, each turning torch.save's record CRC off for its own files
 
 
-def write_torch(path: Path, state: Any) -> _safe_io.FileRecord:
-    """``torch.save(state)`` into the new file ``path``, checksummed while written, fsynced."""
+@contextlib.contextmanager
+def no_zip_crc() -> Iterator[None]:
+    """``torch.save`` computes no record CRC-32 in the block (DCP's writes: the manifest's covers every byte).
+
+    The setting is process-wide: a ``torch.save`` of another thread in the block writes no record
+    CRC either (its file loads all the same).
+    """
+    from torch.utils.serialization import config
+
+    with _zip_crc:
+        before, config.save.compute_crc32 = config.save.compute_crc32, False
+        try:
+            yield
+        finally:
+            config.save.compute_crc32 = before
+
+
+def write_torch(path: Path, state: Any, flusher: _safe_io.Flusher | None = None) -> _safe_io.FileRecord:
+    """``torch.save(state)`` into the new file ``path``, checksummed while written, fsynced (by ``flusher``)."""
     from torch.utils.serialization import config
 
     with _zip_crc:
@@ -39,14 +58,14 @@ def write_torch(path: Path, state: Any) -> _safe_io.FileRecord:
 
         config.save.compute_crc32 = False
         try:
-            return _safe_io.write_file(path, lambda f: torch.save(state, f), on_first_write=restore)
+            return _safe_io.write_file(path, lambda f: torch.save(state, f), restore, flusher)
         finally:
             restore()
 
 
-def write_bytes(path: Path, data: bytes) -> _safe_io.FileRecord:
-    """``data`` into the new file ``path``, checksummed, fsynced."""
-    return _safe_io.write_file(path, lambda f: f.write(data))
+def write_bytes(path: Path, data: bytes, flusher: _safe_io.Flusher | None = None) -> _safe_io.FileRecord:
+    """``data`` into the new file ``path``, checksummed, fsynced (by ``flusher``)."""
+    return _safe_io.write_file(path, lambda f: f.write(data), flusher=flusher)
 
 
 def load_torch(path: Path) -> Any:

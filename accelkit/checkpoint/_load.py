@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import threading
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +31,7 @@ from ._save import VALUES
 __all__ = ["Loaded", "Verification", "apply", "read", "survey", "tensor_values"]
 
 T = TypeVar("T")
+_PIECE = 16 << 20  # bytes checksummed at a time: the verifying threads share a file's pieces
 
 
 @dataclasses.dataclass
@@ -68,34 +71,88 @@ class Verification:
     """This rank's share of a checkpoint's files, checked against the manifest on a thread of its own.
 
     It runs while the files are read (DCP's reading, mapping plain files); nothing is applied
-    before :meth:`check` has passed on every rank.
+    before :meth:`check` has passed on every rank. The files are checksummed in pieces, and the
+    thread that calls :meth:`check` takes pieces too, so that two cores share what is left.
     """
 
     def __init__(self, path: Path, names: list[str], files: dict[str, _safe_io.FileRecord]) -> None:
         self.problem = ""
-        self._thread = threading.Thread(target=self._run, args=(path, names, files), name="accelkit-verify")
+        self._path, self._names, self._files = path, names, files
+        self._problems: dict[int, str] = {}  # by index in names
+        self._pieces: list[tuple[int, int, int]] = []  # (index in names, offset, length)
+        self._crcs: dict[int, int] = {}  # by piece
+        self._maps: dict[int, tuple[Any, Any]] = {}  # index -> (file, mapping)
+        self._next, self._lock, self._ready, self._done = 0, threading.Lock(), threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="accelkit-verify")
         self._thread.start()
 
-    def _run(self, path: Path, names: list[str], files: dict[str, _safe_io.FileRecord]) -> None:
-        for name in names:
+    def _run(self) -> None:
+        try:
+            for index, name in enumerate(self._names):
+                try:
+                    problem = "is missing from the manifest" if name not in self._files else self._open(index, name)
+                except OSError as exc:
+                    problem = f"cannot be read ({exc.strerror})"
+                if problem:
+                    self._problems[index] = problem
+        finally:
+            self._ready.set()
+        self._work()
+
+    def _open(self, index: int, name: str) -> str | None:
+        record = self._files[name]
+        problem = _safe_io.size_problem(self._path / name, record)
+        if problem is None and record["size"]:
+            f = open(self._path / name, "rb")
+            self._maps[index] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            self._pieces += [(index, at, min(_PIECE, record["size"] - at)) for at in range(0, record["size"], _PIECE)]
+        return problem
+
+    def _work(self) -> None:
+        """Checksum pieces until none is left (on the verifying thread and the one waiting for it)."""
+        while True:
+            with self._lock:
+                piece, self._next = self._next, self._next + 1
+            if piece >= len(self._pieces):
+                return
+            index, at, length = self._pieces[piece]
+            whole = memoryview(self._maps[index][1])
             try:
-                problem = (
-                    "is missing from the manifest"
-                    if name not in files
-                    else _safe_io.check_file(path / name, files[name])
-                )
-            except OSError as exc:
-                problem = f"cannot be read ({exc.strerror})"
+                with whole[at : at + length] as view:
+                    self._crcs[piece] = zlib.crc32(view)
+            finally:
+                whole.release()
+
+    def _verdict(self) -> None:
+        crcs: dict[int, int] = {}
+        for piece, (index, _, length) in enumerate(self._pieces):  # in file order: combine the pieces' CRCs
+            crcs[index] = _safe_io.crc32_combine(crcs.get(index, 0), self._crcs[piece], length)
+        for f, mapping in self._maps.values():
+            mapping.close()
+            f.close()
+        for index, name in enumerate(self._names):
+            problem = self._problems.get(index)
+            if problem is None:  # an empty file has no piece: its CRC-32 is 0
+                problem = _safe_io.crc_problem(crcs.get(index, 0), self._files[name])
             if problem:
-                self.problem = f"{path / name} {problem}; the checkpoint is damaged: {_manifest.instead(path)}"
+                self.problem = (
+                    f"{self._path / name} {problem}; the checkpoint is damaged: {_manifest.instead(self._path)}"
+                )
                 return
 
     def join(self) -> None:
+        """Wait for the check to end (its files closed), helping it; called by one thread, the one that loads."""
+        if self._done:
+            return
+        self._ready.wait()
+        self._work()
         self._thread.join()
+        self._done = True
+        self._verdict()
 
     def check(self) -> None:
-        """Wait for the check; CheckpointError naming the first damaged file."""
-        self._thread.join()
+        """Wait for the check (taking pieces of it meanwhile); CheckpointError naming the first damaged file."""
+        self.join()
         if self.problem:
             raise CheckpointError(self.problem)
 

@@ -76,20 +76,22 @@ def write(job: Job, agree: Agreement, group: Any = None) -> Path:
     )
     contents, tmp = job.contents, job.tmp
 
+    flusher = _safe_io.Flusher()  # fsyncs each file while the next is written; the main process's, with the manifest
+
     def files_of_this_rank() -> dict[str, _safe_io.FileRecord]:
         files = {}
-        for name, sd in contents.sharded.items():  # first: dcp.save fails on every rank or on none, never out of step
-            files.update(_sharded.save(tmp / f"{name}{_sharded.SUFFIX}", sd, job.world_size > 1, group))
+        for name, sd in contents.sharded.items():  # first: dcp.save fails on every rank or on none, in step
+            files.update(_sharded.save(tmp / f"{name}{_sharded.SUFFIX}", sd, job.world_size > 1, group, flusher))
         if job.main:
             for name, sd in contents.plain.items():
-                files[f"{name}.pt"] = _files.write_torch(tmp / f"{name}.pt", sd)
+                files[f"{name}.pt"] = _files.write_torch(tmp / f"{name}.pt", sd, flusher)
             if contents.tensors:
-                files[VALUES] = _files.write_torch(tmp / VALUES, contents.tensors)
-        files[f"rank-{job.rank}.json"] = _files.write_bytes(tmp / f"rank-{job.rank}.json", job.rank_state)
+                files[VALUES] = _files.write_torch(tmp / VALUES, contents.tensors, flusher)
+        rank_file = f"rank-{job.rank}.json"
+        files[rank_file] = _files.write_bytes(tmp / rank_file, job.rank_state, flusher)
+        if not job.main:
+            flusher.wait()  # this rank's files are durable before it says so
         return files
-
-    parts = agree.gather(undo, files_of_this_rank)
-    files = {name: rec for part in parts for name, rec in part.items()}
 
     def commit() -> None:
         if job.main:
@@ -105,9 +107,12 @@ def write(job: Job, agree: Agreement, group: Any = None) -> Path:
                 full=contents.full,
                 tensor_values=sorted(contents.tensors),
             )
-            _commit.commit(tmp, job.target, manifest)
+            _commit.commit(tmp, job.target, manifest, flusher)  # waits for this rank's files too
 
-    agree.each(undo, commit)
+    with flusher:  # on failure, waits for what is left of the fsyncs before the error goes on
+        parts = agree.gather(undo, files_of_this_rank)
+        files = {name: rec for part in parts for name, rec in part.items()}
+        agree.each(undo, commit)
     if job.keep_last is not None:
         keep = job.keep_last
         agree.each(

@@ -31,6 +31,7 @@ from torch import nn
 from .. import _safe_io
 from ..errors import CheckpointError
 from ..training import PreparedOptimizer
+from . import _files
 
 __all__ = [
     "SUFFIX",
@@ -92,9 +93,10 @@ def _filesystem_type() -> type:
     class _HashingFileSystem(FileSystem):
         """DCP's local filesystem, writing through :func:`accelkit._safe_io.open_hashed` (CRC-32, fsync)."""
 
-        def __init__(self) -> None:
+        def __init__(self, flusher: _safe_io.Flusher | None = None) -> None:
             super().__init__()
             self.records: dict[str, _safe_io.FileRecord] = {}
+            self.flusher = flusher
 
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -102,7 +104,7 @@ def _filesystem_type() -> type:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with _safe_io.open_hashed(Path(path)) as writer:
+            with _safe_io.open_hashed(Path(path), flusher=self.flusher) as writer:
                 yield writer
             self.records[Path(path).name] = writer.record()
 
@@ -115,25 +117,29 @@ def _filesystem_type() -> type:
     return _HashingFileSystem
 
 
-def save(folder: Path, state: dict[str, Any], distributed: bool, group: Any = None) -> dict[str, _safe_io.FileRecord]:
+def save(
+    folder: Path, state: dict[str, Any], distributed: bool, group: Any = None, flusher: _safe_io.Flusher | None = None
+) -> dict[str, _safe_io.FileRecord]:
     """Write this rank's shards of ``state`` into ``folder`` with ``dcp.save``; every rank must call it.
 
     Returns ``{"FOLDER/FILE": record}`` for the files this rank wrote (rank 0 also ``.metadata``).
     DCP shares every rank's failure: it raises on all ranks, or on none. ``group``: the process
-    group DCP plans over (None: the default one; a background save passes its own).
+    group DCP plans over (None: the default one; a background save passes its own). ``flusher``
+    fsyncs the files (else each is fsynced as it is closed). DCP writes each tensor with
+    ``torch.save``; its record CRC-32 is off, since every byte is checksummed for the manifest.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     writer = FileSystemWriter(folder, sync_files=False, thread_count=1, overwrite=False)  # open_hashed fsyncs
-    fs = writer.fs = _filesystem_type()()
+    fs = writer.fs = _filesystem_type()(flusher)
     try:
-        with _single_process_is_meant():
+        with _single_process_is_meant(), _files.no_zip_crc():
             dcp_save(state, storage_writer=writer, process_group=group, no_dist=not distributed)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(_dcp_failure(exc)) from exc
-    _safe_io.fsync_dir(folder)
+    _safe_io.fsync_dir(folder, flusher)
     return {f"{folder.name}/{name}": record for name, record in fs.records.items()}
 
 

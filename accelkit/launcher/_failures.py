@@ -47,8 +47,10 @@ def record_failure(run_dir: str, exc: BaseException, text: str | None = None) ->
 
 
 # How a collective fails because of another rank: it went away, or never came.
+# Any error of gloo's transport is about a pair of ranks (a peer gone, closed or silent): the first one a
+# rank sees says "Connection reset by peer", a later one may say "Socket closed" or nothing of the kind.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
-              "stopped the group first")  # fmt: skip
+              "stopped the group first", "gloo/transport/", "Socket closed")  # fmt: skip
 
 
 def lost_peer(exc: BaseException) -> bool:
