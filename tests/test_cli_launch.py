@@ -22,7 +22,7 @@ from accelkit.cli._mpirun import hostfile_hosts, mpirun_command
 from accelkit.cli._script import read_launch
 from accelkit.config import config_in_effect
 from accelkit.launcher import LaunchPlan
-from accelkit.launcher._rendezvous import free_port
+from accelkit.testing import free_port
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import accelkit as ak
-from accelkit.launcher._rendezvous import free_port
+from accelkit.testing import free_port
 
 pytestmark = pytest.mark.distributed
 

@@ -60,7 +60,7 @@ def hostfile_hosts(path: str) -> list[str]:
 
 def run_mpirun(plan: LaunchPlan, script: Script) -> int:
     """Start the script under ``mpirun``; the exit code (failed ranks named on stderr)."""
-    from ..launcher._rendezvous import free_port
+    from ..launcher import free_port
 
     mpirun = shutil.which("mpirun")
     if mpirun is None:
@@ -130,7 +130,7 @@ def _wait_mpirun(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
         return 130
     if code == 0:
         return 0
-    from ..launcher._failures import collect_failures
+    from ..launcher import collect_failures
 
     error = collect_failures(run_dir, {})
     if error.failures:

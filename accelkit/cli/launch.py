@@ -229,9 +229,7 @@ def _run_agent(plan: LaunchPlan, script: Script) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..errors import WorkerError
-    from ..launcher._agent import run_workers
-    from ..launcher._failures import report_stop
-    from ..launcher._spec import Command
+    from ..launcher import Command, report_stop, run_workers
 
     debug = bool(plan.options.get("debug"))
     settings = replace(plan.launch, num_processes=plan.local_processes())
