@@ -4,6 +4,8 @@
   returns every rank's result.
 - :class:`WorkerPool` keeps a group of workers alive and sends them one task after
   another, so that property tests do not pay a process start per example.
+- :func:`free_port` names a TCP port free on 127.0.0.1 now, for a test that starts its own
+  launch (``master_port=free_port()``) or store.
 
 ``device="cpu"`` (the default) keeps every worker on the CPU on every path: in every task,
 after a restart, and when a task resets the state (``ak.reset_state()``, then ``ak.init(...)``),
@@ -29,14 +31,12 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from . import _env, _frames, _state
 from ._options import LaunchSettings, StateOptions, validate
 from .errors import WorkerError, WorkerFailure
-from .launcher._agent import check_picklable, run_workers
-from .launcher._failures import exception_name, lost_peer
-from .launcher._rendezvous import free_port
+from .launcher import check_picklable, exception_name, free_port, lost_peer, run_workers
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["WorkerDevice", "WorkerPool", "run_distributed"]
+__all__ = ["WorkerDevice", "WorkerPool", "free_port", "run_distributed"]
 
 WorkerDevice = Literal["cpu", "cuda"]
 _DEVICES: tuple[str, ...] = get_args(WorkerDevice)

@@ -12,6 +12,11 @@ torchrun again, to show the noise of a raw-vs-raw pair; and ``accelkit launch -n
 torchrun's script itself (the command line, paired with torchrun on the very same script).
 They run interleaved, the order rotating each round, after one discarded warm-up round;
 figures are medians, the difference and the ratio medians over the rounds.
+
+Every job runs byte-compiled, as an installed package does: with ``PYTHONDONTWRITEBYTECODE``
+set, a source checkout compiles accelkit's modules afresh in the launcher and in every worker
+of every run (tens of ms each) while torch loads its installed ``.pyc`` files, which measured
+the checkout, not the launch. The warm-up round writes the checkout's ``__pycache__``.
 """
 
 from __future__ import annotations
@@ -83,23 +88,29 @@ if __name__ == "__main__":
 """
 
 
+def _env() -> dict[str, str]:
+    env = child_env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # byte-compiled, as installed (see the module's docstring)
+    return env
+
+
 def _torchrun(script: str, cwd: str) -> ChildTimes:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    return run_child_timed([*cmd, script], child_env(), cwd=cwd)
+    return run_child_timed([*cmd, script], _env(), cwd=cwd)
 
 
 def _accelkit_launch(script: str, cwd: str) -> ChildTimes:
     # What the `accelkit` console script runs; `python -m torch.distributed.run` is torchrun's equivalent.
     cli = "import sys; from accelkit.cli import main; sys.exit(main())"
-    return run_child_timed([sys.executable, "-c", cli, "launch", "-n", "2", script], child_env(), cwd=cwd)
+    return run_child_timed([sys.executable, "-c", cli, "launch", "-n", "2", script], _env(), cwd=cwd)
 
 
 def _python(script: str, cwd: str) -> ChildTimes:
-    return run_child_timed([sys.executable, script], child_env(), cwd=cwd)
+    return run_child_timed([sys.executable, script], _env(), cwd=cwd)
 
 
 def _agent(script: str, cwd: str) -> ChildTimes:
-    return run_child_timed([sys.executable, script, str(free_port())], child_env(), cwd=cwd)
+    return run_child_timed([sys.executable, script, str(free_port())], _env(), cwd=cwd)
 
 
 def run(quick: bool) -> list[Row]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from processes import alive, subprocess_env
 
-from accelkit.launcher._rendezvous import free_port
+from accelkit.testing import free_port
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "sinfo", "squeue")
 

@@ -19,9 +19,10 @@ from processes import alive, subprocess_env
 
 from accelkit.cli import build_parser, main
 from accelkit.cli._mpirun import hostfile_hosts, mpirun_command
-from accelkit.cli._plan import LaunchPlan, plan_launch
+from accelkit.cli._script import read_launch
 from accelkit.config import config_in_effect
-from accelkit.launcher._rendezvous import free_port
+from accelkit.launcher import LaunchPlan
+from accelkit.testing import free_port
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -32,7 +33,7 @@ CLI = "import sys; from accelkit.cli import main; sys.exit(main())"
 def _plan(*argv: str) -> LaunchPlan:
     """What `accelkit launch ARGV` would run, with the config file it would read."""
     args = build_parser().parse_args(["launch", *argv])
-    return plan_launch(args, config_in_effect(args.config_file))
+    return read_launch(args, config_in_effect(args.config_file))[0]
 
 
 def _write(path: Path, text: str) -> str:
@@ -74,7 +75,7 @@ def test_flag_over_environment_over_config_over_default(tmp_path: Path, monkeypa
     assert plan.sources["debug"] == "config"
     assert (plan.launch.num_processes, plan.launch.rdzv_timeout, plan.launch.num_nodes) == (3, 60.0, 1)
     assert (plan.sources["num_processes"], plan.sources["num_nodes"]) == ("config", "default")
-    assert plan.flags == ("precision",)
+    assert plan.fixed == ("precision",)
     env = plan.worker_env()
     assert env["ACCELKIT_PRECISION"] == "no" and env["ACCELKIT_GRADIENT_ACCUMULATION_STEPS"] == "4"
     assert (env["ACCELKIT_DEBUG"], env["ACCELKIT_LAUNCH_FLAGS"], env["ACCELKIT_CONFIG_FILE"]) == ("1", "precision", "")
@@ -87,7 +88,7 @@ def test_the_config_file_variable_is_read_and_gpu_ids_restrict_the_devices(
     monkeypatch.delenv("ACCELKIT_CPU")
     monkeypatch.setenv("ACCELKIT_CONFIG_FILE", _write(tmp_path / "c.yaml", "strategy: fsdp\ngpu_ids: 1,3\n"))
     plan = _plan(PROBE)
-    assert plan.options == {"strategy": "fsdp"} and plan.flags == ()
+    assert plan.options == {"strategy": "fsdp"} and plan.fixed == ()
     assert plan.worker_env()["CUDA_VISIBLE_DEVICES"] == "1,3"
 
 
@@ -152,6 +153,25 @@ def test_bad_combinations_stop_before_anything_starts(
     assert err.startswith("accelkit launch: error: ")
     for fragment in fragments:
         assert fragment in err
+
+
+def test_node_settings_are_checked_once_after_the_merge_naming_where_each_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "c.yaml", "num_nodes: 2\nnode_rank: 2\nmain_process_ip: 10.0.0.1\n")
+    assert main(["launch", "--config-file", config, "--main-process-port", "29500", PROBE]) == 2
+    assert f"node_rank: 2 ({config}:2) with num_nodes: 2 ({config}:1): node ranks count from 0 to 1" in (
+        capsys.readouterr().err
+    )
+    # A flag over the file's rank: the merged settings are what is checked, not the file alone.
+    plan = _plan("--config-file", config, "--node-rank", "1", "--main-process-port", "29500", PROBE)
+    assert (plan.launch.node_rank, plan.sources["node_rank"], plan.sources["num_nodes"]) == (1, "flag", "config")
+    accelerate = _write(
+        tmp_path / "a.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_machines: 2\n"
+        "machine_rank: 3\n",
+    )  # fmt: skip
+    assert main(["launch", "--config-file", accelerate, PROBE]) == 2
+    assert f"machine_rank: 3 ({accelerate}:4) with num_machines: 2 ({accelerate}:3)" in capsys.readouterr().err
 
 
 def test_a_missing_script_or_module_is_named(capsys: pytest.CaptureFixture[str]) -> None:

@@ -403,8 +403,6 @@ BAD = {
     "bad port": ("main_process_port: 70000\n", ":1: main_process_port: expected an integer from 1 to 65535"),
     "bad rdzv": ("rdzv_backend: etcd\n", ":1: rdzv_backend: expected one of 'static', 'c10d', found 'etcd'"),
     "bad gpu ids": ("gpu_ids: first\n", ":1: gpu_ids: expected `all` or device indices like `0,1`"),
-    "node rank": ("num_nodes: 2\nnode_rank: 2\n", ":2: node_rank: 2 must be below num_nodes (2)"),
-    "machine rank": ("num_machines: 2\nmachine_rank: 3\n", ":2: machine_rank: 3 must be below num_machines (2)"),
     "invalid yaml": (
         "precision: bf16\ndebug: [true\ncpu: false\n",
         ":3: not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence, which starts on line 2)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -200,15 +201,20 @@ def test_bad_launch_options(options: dict[str, object], fragment: str) -> None:
 def test_node_settings_are_checked_together_with_the_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(ak.ConfigurationError, match=r"accelkit.launch: node_rank=1 with num_nodes=1; expected"):
+    with pytest.raises(ak.ConfigurationError) as err:
         ak.launch(os.getpid, num_processes=1, node_rank=1)
-    with pytest.raises(ak.ConfigurationError, match="num_nodes=2 needs master_port"):
+    assert str(err.value).startswith("accelkit.launch: node_rank=1 with num_nodes=1 (the default): node ranks count")
+    with pytest.raises(ak.ConfigurationError, match=r"num_nodes=2 needs master_port: .* e.g. master_port=29500"):
         ak.launch(os.getpid, num_processes=1, num_nodes=2, node_rank=1)
+    with pytest.raises(ak.ConfigurationError, match=r"num_nodes=2 needs master_addr: .* master_addr='10\.0\.0\.1'"):
+        ak.launch(os.getpid, num_processes=1, num_nodes=2, node_rank=1, master_port=29500)
     config = tmp_path / "config.yaml"
-    config.write_text("num_nodes: 2\n")  # the code's node_rank=1 is right for it, but no port is set anywhere
+    config.write_text("num_nodes: 2\nnode_rank: 3\n")  # the code's node_rank=1 is right for it, but no port is set
     monkeypatch.setenv("ACCELKIT_CONFIG_FILE", str(config))
-    with pytest.raises(ak.ConfigurationError, match="num_nodes=2 needs master_port"):
+    with pytest.raises(ak.ConfigurationError, match=re.escape(f"num_nodes: 2 ({config}:1) needs master_port")):
         ak.launch(os.getpid, num_processes=1, node_rank=1)
+    with pytest.raises(ak.ConfigurationError, match=re.escape(f"node_rank: 3 ({config}:2) with num_nodes: 2")):
+        ak.launch(os.getpid, num_processes=1)
 
 
 def test_decorating_a_non_function_is_an_error() -> None:

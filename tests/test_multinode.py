@@ -256,7 +256,7 @@ def test_a_node_whose_beat_stopped_is_named_with_its_ranks_and_host() -> None:
     import torch.distributed as dist
 
     from accelkit.launcher._nodes import NodeBeat, lost_nodes
-    from accelkit.launcher._rendezvous import free_port
+    from accelkit.testing import free_port
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)

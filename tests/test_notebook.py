@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import accelkit as ak
-from accelkit.launcher._rendezvous import free_port
+from accelkit.testing import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -75,7 +75,8 @@ def test_two_nodes_meet_at_master_port() -> None:
         import accelkit as ak
         def where():
             print("node1 worker:", ak.rank(), ak.world_size(), ak.state().node_rank, flush=True)
-        ak.launch(where, num_processes=1, num_nodes=2, node_rank=1, master_port={port}, cpu=True)
+        ak.launch(where, num_processes=1, num_nodes=2, node_rank=1, master_addr="127.0.0.1", master_port={port},
+                  cpu=True)
     """
     other = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(node1)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -86,7 +87,14 @@ def test_two_nodes_meet_at_master_port() -> None:
             return ak.rank(), ak.world_size(), ak.state().node_rank
 
         got = ak.launch(
-            where, num_processes=1, num_nodes=2, node_rank=0, master_port=port, cpu=True, start_method="fork"
+            where,
+            num_processes=1,
+            num_nodes=2,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+            cpu=True,
+            start_method="fork",
         )
         out, _ = other.communicate(timeout=60)
     finally:

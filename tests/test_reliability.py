@@ -43,8 +43,7 @@ from processes import RUNS_OF_TWENTY, alive, subprocess_env
 import accelkit as ak
 from accelkit.errors import WorkerFailure
 from accelkit.launcher._failures import collect_failures, lost_peer, record_failure
-from accelkit.launcher._rendezvous import free_port
-from accelkit.testing import WorkerPool, run_distributed
+from accelkit.testing import WorkerPool, free_port, run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from processes import RUNS_OF_TWENTY, subprocess_env
 
-from accelkit.launcher._rendezvous import free_port
+from accelkit.testing import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.distributed

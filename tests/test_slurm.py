@@ -18,7 +18,7 @@ import torch
 from processes import ROOT, alive, subprocess_env
 from slurm import Cluster, Unavailable, cluster, job_processes, why_not
 
-from accelkit.launcher._rendezvous import free_port
+from accelkit.testing import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 _WHY_NOT = why_not()

@@ -174,20 +174,7 @@ def test_the_cycle_finder_sees_a_loop_inside_a_package() -> None:
 
 
 # Imports of the launcher's private modules, being removed (the launcher's face is being built).
-PRIVATE_MODULE_WAIVERS = {
-    "accelkit.cli._mpirun -> accelkit.launcher._failures",
-    "accelkit.cli._mpirun -> accelkit.launcher._rendezvous",
-    "accelkit.cli._worker -> accelkit.launcher._failures",
-    "accelkit.cli._worker -> accelkit.launcher._lifeline",
-    "accelkit.cli.env -> accelkit.launcher._netif",
-    "accelkit.cli.launch -> accelkit.launcher._agent",
-    "accelkit.cli.launch -> accelkit.launcher._failures",
-    "accelkit.cli.launch -> accelkit.launcher._spec",
-    "accelkit.data._build -> accelkit.launcher._lifeline",
-    "accelkit.testing -> accelkit.launcher._agent",
-    "accelkit.testing -> accelkit.launcher._failures",
-    "accelkit.testing -> accelkit.launcher._rendezvous",
-}
+PRIVATE_MODULE_WAIVERS: set[str] = set()
 
 
 def _private_home(target: str) -> str | None:

@@ -151,12 +151,12 @@ def test_the_config_file_and_launch_flags_carry_the_options(tmp_path: Path) -> N
         load_config(bad)
     script = tmp_path / "noop.py"
     script.write_text("")
-    from accelkit.cli._plan import plan_launch
+    from accelkit.cli._script import read_launch
     from accelkit.cli.launch import add_arguments
 
     parser = __import__("argparse").ArgumentParser()
     add_arguments(parser)
-    plan = plan_launch(parser.parse_args(["--log-with", "csv,jsonl", "--project-dir", "out", str(script)]))
+    plan, _ = read_launch(parser.parse_args(["--log-with", "csv,jsonl", "--project-dir", "out", str(script)]))
     assert plan.worker_env()["ACCELKIT_LOG_WITH"] == "csv,jsonl"
     assert plan.worker_env()["ACCELKIT_PROJECT_DIR"] == "out"
     assert cli_main(["launch", "--log-with", "tensorbored", str(script)]) == 2

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Sequence
 
 from .. import _env
 from ..errors import ConfigurationError
-from ._plan import LaunchPlan, describe, local_processes, print_warnings
+from ..launcher import LaunchPlan
+from ._script import Script, print_warnings
 
 
 def mpirun_command(
@@ -57,9 +58,9 @@ def hostfile_hosts(path: str) -> list[str]:
     return [words[0] for words in lines if words]
 
 
-def run_mpirun(plan: LaunchPlan) -> int:
+def run_mpirun(plan: LaunchPlan, script: Script) -> int:
     """Start the script under ``mpirun``; the exit code (failed ranks named on stderr)."""
-    from ..launcher._rendezvous import free_port
+    from ..launcher import free_port
 
     mpirun = shutil.which("mpirun")
     if mpirun is None:
@@ -68,7 +69,7 @@ def run_mpirun(plan: LaunchPlan) -> int:
             "--mpirun to start the processes on torch's elastic agent"
         )
     _check_open_mpi(mpirun)
-    nprocs = local_processes(plan)
+    nprocs = plan.local_processes()
     hostfile = plan.launch.hostfile
     hosts = hostfile_hosts(hostfile) if hostfile else []
     local = -(-nprocs // max(len(hosts), 1))  # processes on each machine, evenly spread
@@ -84,7 +85,7 @@ def run_mpirun(plan: LaunchPlan) -> int:
     cmd = mpirun_command(
         mpirun,
         nprocs,
-        [sys.executable, *plan.program()],
+        [sys.executable, *script.program()],
         sorted(env),
         hostfile=hostfile,
         as_root=os.geteuid() == 0,
@@ -92,7 +93,7 @@ def run_mpirun(plan: LaunchPlan) -> int:
     )
     if plan.options.get("debug"):
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-        describe(plan, f"{nprocs} process(es) with mpirun: {shown} {shlex.join(cmd)}")
+        plan.describe(f"{nprocs} process(es) with mpirun: {shown} {shlex.join(cmd)}")
     try:
         return _wait_mpirun(cmd, {**os.environ, **env}, run_dir)
     finally:
@@ -129,7 +130,7 @@ def _wait_mpirun(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
         return 130
     if code == 0:
         return 0
-    from ..launcher._failures import collect_failures
+    from ..launcher import collect_failures
 
     error = collect_failures(run_dir, {})
     if error.failures:

@@ -56,9 +56,9 @@ def main(argv: list[str]) -> int:
 
 
 def _die_with_launcher() -> None:
-    """A launcher killed with SIGKILL takes this worker along (see :mod:`accelkit.launcher._lifeline`)."""
+    """A launcher killed with SIGKILL takes this worker along (see :func:`accelkit.launcher.die_with_parent`)."""
     from .._env import LAUNCHER_PID, read_int
-    from ..launcher._lifeline import die_with_parent
+    from ..launcher import die_with_parent
 
     launcher = read_int(LAUNCHER_PID)
     if launcher is not None:
@@ -72,7 +72,7 @@ def _report(exc: BaseException) -> None:
         sys.stderr.write(text)
         sys.stderr.flush()
     from .._env import RUN_DIR
-    from ..launcher._failures import record_failure
+    from ..launcher import record_failure
 
     run_dir = os.environ.get(RUN_DIR)
     if run_dir:

@@ -93,7 +93,7 @@ def describe_timeout(config: ConfigFile | None) -> dict[str, str]:
 
 def describe_network(master_addr: str) -> dict[str, str]:
     """This machine's interfaces, and the one a multi-node launch binds gloo and NCCL to."""
-    from ..launcher._netif import describe_interfaces, route_to, socket_ifname_env
+    from ..launcher import describe_interfaces, route_to, socket_ifname_env
 
     out = {"interfaces": describe_interfaces()}
     try:

@@ -20,7 +20,8 @@ from dataclasses import replace
 from .._options import DEFAULT_RDZV_TIMEOUT, DEFAULT_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES, TRACKERS
 from ..config import config_in_effect
 from ..errors import ConfigurationError
-from ._plan import LaunchPlan, describe, local_processes, plan_launch, print_warnings
+from ..launcher import LaunchPlan
+from ._script import Script, print_warnings, read_launch
 from ._sysinfo import timeout_sentence
 from ._types import int_at_least
 
@@ -167,13 +168,13 @@ def _seconds(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     """Launch; the exit code (0: every worker succeeded)."""
     try:
-        plan = plan_launch(args, config_in_effect(args.config_file))
+        plan, script = read_launch(args, config_in_effect(args.config_file))
     except (ConfigurationError, ImportError) as exc:  # ImportError: PyYAML, to read a config file
         print(f"accelkit launch: error: {exc}", file=sys.stderr)
         return 2
     for note in plan.notes:
         print(f"accelkit: note: {note}", file=sys.stderr)
-    problem = syntax_error(plan)
+    problem = syntax_error(script)
     if problem:  # said once, here, rather than by every worker after each started
         print(f"accelkit launch: error: {problem}", file=sys.stderr)
         return 1
@@ -181,16 +182,16 @@ def run(args: argparse.Namespace) -> int:
         if plan.launch.mpirun:
             from ._mpirun import run_mpirun  # torch-free: mpirun starts the processes
 
-            return run_mpirun(plan)
-        return _run_agent(plan)
+            return run_mpirun(plan, script)
+        return _run_agent(plan, script)
     except ConfigurationError as exc:
         print(f"accelkit launch: error: {exc}", file=sys.stderr)
         return 2
 
 
-def syntax_error(plan: LaunchPlan) -> str:
+def syntax_error(script: Script) -> str:
     """The script's (or module's) syntax error, as Python prints it, before any worker starts; "" if none."""
-    path = _source_file(plan)
+    path = _source_file(script)
     if path is None:
         return ""
     try:
@@ -205,15 +206,15 @@ def syntax_error(plan: LaunchPlan) -> str:
     return ""
 
 
-def _source_file(plan: LaunchPlan) -> str | None:
+def _source_file(script: Script) -> str | None:
     """The file ``python script.py`` (or ``python -m module``) would run, without importing anything."""
-    if not plan.module:
-        return plan.target
+    if not script.module:
+        return script.target
     from importlib.machinery import PathFinder
 
     locations: list[str] | None = [os.getcwd(), *sys.path[1:]]
     spec = None
-    for part in [*plan.target.split("."), "__main__"]:
+    for part in [*script.target.split("."), "__main__"]:
         if locations is None:  # a plain module: no __main__ to look for
             break
         spec = PathFinder.find_spec(part, locations)
@@ -224,16 +225,14 @@ def _source_file(plan: LaunchPlan) -> str | None:
     return origin if origin is not None and origin.endswith(".py") else None
 
 
-def _run_agent(plan: LaunchPlan) -> int:
+def _run_agent(plan: LaunchPlan, script: Script) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from ..errors import WorkerError
-    from ..launcher._agent import run_workers
-    from ..launcher._failures import report_stop
-    from ..launcher._spec import Command
+    from ..launcher import Command, report_stop, run_workers
 
     debug = bool(plan.options.get("debug"))
-    settings = replace(plan.launch, num_processes=local_processes(plan))
+    settings = replace(plan.launch, num_processes=plan.local_processes())
     print_warnings(settings.num_processes or 1)
     if debug:  # said on every launch, it was noise; `accelkit env` shows it too
         timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)
@@ -243,9 +242,9 @@ def _run_agent(plan: LaunchPlan) -> int:
             f"{settings.num_processes} process(es) on node {settings.node_rank} of {settings.num_nodes} "
             f"(world size {settings.world_size})"
         )
-        describe(plan, f"{what}: {shlex.join([sys.executable, *plan.program()])}")
+        plan.describe(f"{what}: {shlex.join([sys.executable, *script.program()])}")
     try:
-        run_workers(Command(tuple(plan.program())), (), {}, settings, plan.worker_env(), quiet=not debug)
+        run_workers(Command(tuple(script.program())), (), {}, settings, plan.worker_env(), quiet=not debug)
     except WorkerError as exc:
         print(f"accelkit: {exc}", file=sys.stderr)
         code = exc.failures[0].exitcode if exc.failures else None

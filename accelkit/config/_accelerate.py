@@ -120,7 +120,6 @@ def from_accelerate(f: Fields, file: Path) -> tuple[dict[str, object], dict[str,
                 f"on each); use a multiple of {machines}, e.g. {(machines or 1) * max(per_node, 1)}",
             )
         launch["num_processes"] = per_node
-    f.check_node_rank(launch["node_rank"], machines, "machine_rank", "num_machines")
     launch["main_process_ip"] = f.text("main_process_ip", "10.0.0.1")
     launch["main_process_port"] = f.integer("main_process_port", 1, 65535, example=29500)
     launch["rdzv_backend"] = f.choice("rdzv_backend", RDZV_BACKENDS)

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._options import LaunchSettings, is_int, suggest, validate
+from .._options import LaunchSettings, suggest, validate
 from ..errors import ConfigurationError
 
 # Launch settings under the names the files use (Accelerate's, and `accelkit launch`'s flags).
@@ -107,10 +107,6 @@ class Fields:
             except (ConfigurationError, TypeError) as err:
                 raise self.error(name, str(err).split("): ", 1)[-1]) from None
         return out
-
-    def check_node_rank(self, rank: object, nodes: object, rank_key: str, nodes_key: str) -> None:
-        if is_int(rank) and rank >= (nodes if is_int(nodes) else 1):
-            raise self.error(rank_key, f"{rank} must be below {nodes_key} ({nodes or 1}); node ranks count from 0")
 
 
 def json_text(config: Mapping[str, object]) -> str:

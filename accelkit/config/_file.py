@@ -236,5 +236,4 @@ def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
         "gpu_ids": f.gpu_ids("gpu_ids"),
     }
     launch = {k: v for k, v in launch.items() if v is not None}
-    f.check_node_rank(launch.get("node_rank"), launch.get("num_nodes"), "node_rank", "num_nodes")
     return state, launch

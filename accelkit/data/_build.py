@@ -22,7 +22,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import _state, _tree, collectives
 from .._options import is_int
 from .._state import ProcessState
-from ..launcher._lifeline import LoaderWorkerLifeline
+from ..launcher import LoaderWorkerLifeline
 from ._loader import ActiveLoader, LoaderPlan, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 

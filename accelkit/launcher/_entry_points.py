@@ -13,9 +13,9 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from .. import _env, _frames, _state
-from .._options import CODE_LAUNCH_NAMES, LaunchOptions, LaunchSettings, Options, StartMethod, is_int, validate
-from ..config import resolve
+from .._options import CODE_LAUNCH_NAMES, LaunchOptions, Options, StartMethod, is_int, validate
 from ..errors import ConfigurationError
+from ._launch_plan import plan_launch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -132,15 +132,10 @@ def _call(
         return run(*args, **kwargs)  # the options arrived as ACCELKIT_* variables, set by the launcher
     call = "accelkit.launch" if direct is None else "accelkit.distributed"
     given = {**_parent_options(given, call), **given}
-    state_options = {k: v for k, v in given.items() if k in Options.names()}
-    resolved = resolve(given, call=call)
-    settings = resolved.launch
-    _check_settings(settings, call)
-    if settings.num_processes is None:
-        from .._backends import local_device_count
-
-        settings = replace(settings, num_processes=local_device_count(resolved.options.cpu))
+    plan = plan_launch(given, call=call)
+    settings = replace(plan.launch, num_processes=plan.local_processes())
     if settings.num_processes == 1 and settings.num_nodes == 1:
+        state_options = {k: v for k, v in given.items() if k in Options.names()}
         _state.configure(state_options, f"{call} at {_frames.call_site()}")
         return run(*args, **kwargs)
     if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -162,8 +157,8 @@ def _call(
         FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _DistributedFunction) else fn
     )
     # Options given here are explicit in every worker: an ak.init there that differs is an error naming both.
-    env = {**_env.option_env(state_options), _env.LAUNCH_FLAGS: ",".join(state_options), _env.LAUNCHED_BY: call}
-    debug = resolved.options.debug  # ACCELKIT_DEBUG and the config file included
+    env = plan.worker_env()
+    debug = bool(plan.options.get("debug"))  # ACCELKIT_DEBUG and the config file included
     try:
         if debug:
             from ._notebook import preflight_launch
@@ -215,20 +210,6 @@ def _interrupted(exc: BaseException) -> NoReturn:
 def _check_options(options: dict[str, Any], call: str) -> dict[str, Any]:
     """The options, validated (names and values); Nones dropped."""
     return validate(options, call, (*CODE_LAUNCH_NAMES, *Options.names()))
-
-
-def _check_settings(settings: LaunchSettings, call: str) -> None:
-    """The launch settings together, after code, ``ACCELKIT_*`` and the config file were merged."""
-    nodes, node_rank = settings.num_nodes, settings.node_rank
-    if node_rank >= nodes:
-        raise ConfigurationError(
-            f"{call}: node_rank={node_rank} with num_nodes={nodes}; expected 0 <= node_rank < num_nodes"
-        )
-    if nodes > 1 and settings.master_port is None:
-        raise ConfigurationError(
-            f"{call}: num_nodes={nodes} needs master_port: every node must meet at "
-            f"the same master_addr:master_port, e.g. master_port=29500"
-        )
 
 
 def _default_start_method() -> StartMethod:
