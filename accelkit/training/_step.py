@@ -14,6 +14,8 @@ import torch.optim.optimizer as optimizer_module
 from torch import nn
 
 from .. import _frames, _group, _state
+from .._state import Now
+from .._strategies.ddp import PreparedDDP
 from ._precision import MixedPrecisionModule
 
 __all__ = [
@@ -43,25 +45,57 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     """
     training = _state.training
     if not training.accumulating:
-        steps = _state.get().options.gradient_accumulation_steps
+        strategy = training.strategy
+        steps = (strategy.options if strategy is not None else _state.get().options).gradient_accumulation_steps
         if steps > 1:
             _warn_once_outside_accumulate(steps)
     training.backward_calls += 1
     strategy = training.strategy or _state.strategy()
-    if not training.sync_gradients or _state.group.heartbeat is None:
+    group = _state.group
+    if not training.sync_gradients or group.heartbeat is None:
         strategy.backward(loss, divide_by=training.accumulation_steps, boundary=training.sync_gradients, **kwargs)
         return
-    with _state.doing(_group.SYNCING):  # other ranks that wait for this one can tell where it is (_group.meet)
+    # Other ranks that wait for this one can tell where it is (_group.meet); inline, as _state.doing is 3 calls.
+    now = group.now
+    group.now = _new_now(Now, (*now[:7], _group.SYNCING))
+    try:
         strategy.backward(loss, divide_by=training.accumulation_steps, boundary=True, **kwargs)
+    finally:
+        now = group.now  # a collective may have replaced it meanwhile
+        group.now = _new_now(Now, (*now[:7], ""))
 
 
-def mark_waits(model: nn.Module) -> None:
+def mark_waits(model: nn.Module) -> nn.Module:
     """Publish, while ``model``'s forward runs, that it may wait for the other ranks (DDP rebuilds its
     buckets and broadcasts buffers there; FSDP gathers parameters): a rank left waiting for this one
-    can tell where it is (see ``_group.meet``)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "reshard"):
+    can tell where it is (see ``_group.meet``). Returns ``model``.
+
+    The DDP ``ak.prepare`` made publishes from its own forward (module hooks would send every
+    forward through torch's slower hooked call path); other modules through hooks.
+    """
+    if type(model) is PreparedDDP:
+        model.__class__ = WaitingDDP
+    elif isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "reshard"):
         model.register_forward_pre_hook(_waiting)
         model.register_forward_hook(_done_waiting, always_call=True)
+    return model
+
+
+class WaitingDDP(PreparedDDP):
+    """The prepared DDP of a job with several processes: its forward publishes that it may wait."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        group = _state.group
+        now = group.now
+        group.now = _new_now(Now, (*now[:7], _group.SYNCING))
+        try:
+            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            now = group.now
+            group.now = _new_now(Now, (*now[:7], ""))
+
+    def _get_name(self) -> str:
+        return "PreparedDDP"  # as printed: the same module
 
 
 def _waiting(module: nn.Module, args: Any) -> None:
@@ -70,6 +104,10 @@ def _waiting(module: nn.Module, args: Any) -> None:
 
 def _done_waiting(module: nn.Module, args: Any, output: Any) -> None:
     _state.group.now = _state.group.now._replace(doing="")
+
+
+# ``Now(...)`` with its last field (``doing``) replaced, without namedtuple's ``_replace`` (four Python calls).
+_new_now = tuple.__new__
 
 
 def _warn_once_outside_accumulate(steps: int) -> None:
@@ -121,8 +159,10 @@ class accumulate(contextlib.ContextDecorator):
         self._entered: tuple[_state.TrainingState, int, int, int, list[Any]] | None = None
 
     def __enter__(self) -> None:
-        steps = _state.get().options.gradient_accumulation_steps if self.steps is None else self.steps
         training = _state.training
+        strategy = training.strategy  # None: no state yet, or one built by hand
+        options = strategy.options if strategy is not None else _state.get().options
+        steps = options.gradient_accumulation_steps if self.steps is None else self.steps
         if steps > 1 and "step watch" not in _state.hooks:
             _state.this_process.once("step watch", _watch_steps)
         training.micro_step += 1
@@ -135,10 +175,13 @@ class accumulate(contextlib.ContextDecorator):
         self._entered = (training, training.accumulation_steps, steps, training.backward_calls, sync_off)
         training.accumulation_steps = steps
         training.accumulating += 1
-        if not sync and not _state.get().options.sync_each_batch:
+        if not sync and not options.sync_each_batch:
             try:
+                strategy = strategy or _state.strategy()
                 for model in self.models:
-                    region = no_sync(model)
+                    if isinstance(model, MixedPrecisionModule):
+                        model = model.forward_module
+                    region = strategy.no_sync(model)
                     region.__enter__()
                     sync_off.append(region)
             except BaseException:
