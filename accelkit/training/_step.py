@@ -14,7 +14,7 @@ import torch.optim.optimizer as optimizer_module
 from torch import nn
 
 from .. import _frames, _group, _state
-from .._state import Now
+from .._state import NOWHERE, Now
 from .._strategies.ddp import PreparedDDP
 from ._precision import MixedPrecisionModule
 
@@ -56,13 +56,14 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         strategy.backward(loss, divide_by=training.accumulation_steps, boundary=training.sync_gradients, **kwargs)
         return
     # Other ranks that wait for this one can tell where it is (_group.meet); inline, as _state.doing is 3 calls.
-    now = group.now
-    group.now = _new_now(Now, (*now[:7], _group.SYNCING))
+    before, marked = _marks
+    if group.now is not before:
+        before, marked = _mark(group.now)
+    group.now = marked
     try:
         strategy.backward(loss, divide_by=training.accumulation_steps, boundary=True, **kwargs)
-    finally:
-        now = group.now  # a collective may have replaced it meanwhile
-        group.now = _new_now(Now, (*now[:7], ""))
+    finally:  # a collective may have replaced the snapshot meanwhile
+        group.now = before if group.now is marked else group.now._replace(doing="")
 
 
 def mark_waits(model: nn.Module) -> nn.Module:
@@ -86,13 +87,14 @@ class WaitingDDP(PreparedDDP):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         group = _state.group
-        now = group.now
-        group.now = _new_now(Now, (*now[:7], _group.SYNCING))
+        before, marked = _marks
+        if group.now is not before:
+            before, marked = _mark(group.now)
+        group.now = marked
         try:
-            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+            return _ddp_forward(self, *inputs, **kwargs)
         finally:
-            now = group.now
-            group.now = _new_now(Now, (*now[:7], ""))
+            group.now = before if group.now is marked else group.now._replace(doing="")
 
     def _get_name(self) -> str:
         return "PreparedDDP"  # as printed: the same module
@@ -106,8 +108,16 @@ def _done_waiting(module: nn.Module, args: Any, output: Any) -> None:
     _state.group.now = _state.group.now._replace(doing="")
 
 
-# ``Now(...)`` with its last field (``doing``) replaced, without namedtuple's ``_replace`` (four Python calls).
-_new_now = tuple.__new__
+def _mark(now: Now) -> tuple[Now, Now]:
+    """``now`` as it reads outside and inside a pass that may wait, kept for the next pass: the
+    snapshot changes only with an accelkit collective, so a step usually allocates nothing."""
+    global _marks
+    _marks = (now._replace(doing="") if now.doing else now, now._replace(doing=_group.SYNCING))
+    return _marks
+
+
+_marks = (NOWHERE, NOWHERE._replace(doing=_group.SYNCING))  # the last snapshot seen, and it marked
+_ddp_forward: Any = PreparedDDP.forward
 
 
 def _warn_once_outside_accumulate(steps: int) -> None:
