@@ -149,7 +149,7 @@ def run(quick: bool) -> list[Row]:
     from accelkit.testing import run_distributed
 
     rows: list[Row] = []
-    for size, steps, rounds in (("tiny", 48, 10 if quick else 150), ("medium", 10 if quick else 40, 3 if quick else 7)):
+    for size, steps, rounds in (("tiny", 48, 10 if quick else 150), ("medium", 12 if quick else 40, 3 if quick else 7)):
         for accumulation in (1, 4):
             results = run_distributed(paired_rounds, (size, steps, accumulation, rounds), task_timeout=900)
             rank0 = results[0]
