@@ -213,6 +213,26 @@ def test_unwrap_strips_ddp(pool: WorkerPool) -> None:
     assert pool.run(unwrapped_is_original) == [True, True]
 
 
+def forward_publishes_its_wait() -> tuple[str, str, str, str, int]:
+    """What this rank publishes during and after the prepared DDP's forward; its type's name, repr and hooks."""
+    from accelkit import _state
+
+    seen = []
+    inner = make_model()
+    inner.register_forward_hook(lambda module, args, out: seen.append(_state.group.now.doing))
+    model = ak.prepare(inner)
+    model(torch.randn(2, 4))
+    hooks = len(model._forward_hooks) + len(model._forward_pre_hooks)
+    return seen[0], _state.group.now.doing, type(model).__mro__[1].__name__, repr(model).split("(")[0], hooks
+
+
+def test_ddp_forward_publishes_that_it_may_wait_without_module_hooks(pool: WorkerPool) -> None:
+    # A rank left waiting for this one tells where it is (_group.meet); no hooks: torch's fast call path.
+    for during, after, base, shown, hooks in pool.run(forward_publishes_its_wait):
+        assert during == "a forward or backward pass that waits for the other processes"
+        assert (after, base, shown, hooks) == ("", "PreparedDDP", "PreparedDDP", 0)
+
+
 def test_a_scheduler_built_on_the_prepared_optimizer_skips_with_it() -> None:
     model, opt, _ = fp16_setup()
     sched = ak.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1))

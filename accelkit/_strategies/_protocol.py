@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from .._options import Options
+
 __all__ = ["Setup", "Skipped", "Strategy"]
 
 # What Strategy.setup returns: the models, optimizers and schedulers to hand back (in order).
@@ -23,6 +25,7 @@ class Strategy(Protocol):
     """What ``ak.prepare``, the training step and checkpoints need from a parallelism strategy."""
 
     name: str
+    options: Options  # the process state's options, read on the step path (an attribute, where ak.state() is a call)
     owns_schedulers: bool  # the strategy steps LR schedulers itself (their step() does nothing)
 
     def setup(

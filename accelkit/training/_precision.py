@@ -66,8 +66,14 @@ class Precision(contextlib.ContextDecorator):
 
 
 def autocast(mode: str, device_type: str) -> contextlib.AbstractContextManager[object]:
-    """The autocast context for ``mode`` on ``device_type`` (validated)."""
-    return torch.autocast(device_type, **autocast_options(mode, device_type))
+    """The autocast context for ``mode`` on ``device_type`` (validated; its arguments once per pair)."""
+    options = _OPTIONS.get((mode, device_type))
+    if options is None:
+        options = _OPTIONS[mode, device_type] = autocast_options(mode, device_type)
+    return torch.autocast(device_type, **options)
+
+
+_OPTIONS: dict[tuple[str, str], dict[str, Any]] = {}  # autocast's arguments per (mode, device type), validated
 
 
 def autocast_options(mode: str, device_type: str) -> dict[str, Any]:
@@ -122,11 +128,20 @@ class MixedPrecisionModule(nn.Module):
         self.forward_module = module
         self.mode = mode
         self.device_type = device_type
+        # torch.autocast regions made for this module and not entered now: each forward enters one
+        # (building one costs as much as entering it); more than one only while forward runs in itself.
+        self._idle: list[torch.autocast] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, **self._autocast):
-            outputs = self.forward_module(*args, **kwargs)
+        idle = self.__dict__.get("_idle")  # absent from a module pickled before there was one
+        region = idle.pop() if idle else torch.autocast(self.device_type, **self._autocast)
+        with region:
+            outputs = self._modules["forward_module"](*args, **kwargs)  # type: ignore[misc]
+        if idle is not None:
+            idle.append(region)
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
+        if isinstance(outputs, torch.Tensor):  # the common case, without two calls
+            return outputs.float() if outputs.dtype in _HALF else outputs
         return _tree.apply_to_tensors(_to_fp32, outputs)
 
     def __getattr__(self, name: str) -> Any:
@@ -164,5 +179,8 @@ class MixedPrecisionModule(nn.Module):
         return f"mode={self.mode!r}"
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return t.float() if t.dtype in _HALF else t

@@ -12,7 +12,7 @@ from .._strategies import comm_hooks
 from ..data import PreparedDataLoader, prepare_dataloader
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import MixedPrecisionModule
-from ._step import mark_waits
+from ._waits import mark_waits
 
 __all__ = ["prepare"]
 

@@ -13,7 +13,8 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch import nn
 
-from .. import _frames, _group, _state
+from .. import _frames, _state
+from . import _waits
 from ._precision import MixedPrecisionModule
 
 __all__ = [
@@ -43,33 +44,25 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     """
     training = _state.training
     if not training.accumulating:
-        steps = _state.get().options.gradient_accumulation_steps
+        strategy = training.strategy
+        steps = (strategy.options if strategy is not None else _state.get().options).gradient_accumulation_steps
         if steps > 1:
             _warn_once_outside_accumulate(steps)
     training.backward_calls += 1
     strategy = training.strategy or _state.strategy()
-    if not training.sync_gradients or _state.group.heartbeat is None:
+    group = _state.group
+    if not training.sync_gradients or group.heartbeat is None:
         strategy.backward(loss, divide_by=training.accumulation_steps, boundary=training.sync_gradients, **kwargs)
         return
-    with _state.doing(_group.SYNCING):  # other ranks that wait for this one can tell where it is (_group.meet)
+    # Other ranks that wait for this one can tell where it is (_group.meet); inline, as _state.doing is 3 calls.
+    before, marked = _waits.marks
+    if group.now is not before:
+        before, marked = _waits.mark(group.now)
+    group.now = marked
+    try:
         strategy.backward(loss, divide_by=training.accumulation_steps, boundary=True, **kwargs)
-
-
-def mark_waits(model: nn.Module) -> None:
-    """Publish, while ``model``'s forward runs, that it may wait for the other ranks (DDP rebuilds its
-    buckets and broadcasts buffers there; FSDP gathers parameters): a rank left waiting for this one
-    can tell where it is (see ``_group.meet``)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "reshard"):
-        model.register_forward_pre_hook(_waiting)
-        model.register_forward_hook(_done_waiting, always_call=True)
-
-
-def _waiting(module: nn.Module, args: Any) -> None:
-    _state.group.now = _state.group.now._replace(doing=_group.SYNCING)
-
-
-def _done_waiting(module: nn.Module, args: Any, output: Any) -> None:
-    _state.group.now = _state.group.now._replace(doing="")
+    finally:  # a collective may have replaced the snapshot meanwhile
+        group.now = before if group.now is marked else group.now._replace(doing="")
 
 
 def _warn_once_outside_accumulate(steps: int) -> None:
@@ -121,8 +114,10 @@ class accumulate(contextlib.ContextDecorator):
         self._entered: tuple[_state.TrainingState, int, int, int, list[Any]] | None = None
 
     def __enter__(self) -> None:
-        steps = _state.get().options.gradient_accumulation_steps if self.steps is None else self.steps
         training = _state.training
+        strategy = training.strategy  # None: no state yet, or one built by hand
+        options = strategy.options if strategy is not None else _state.get().options
+        steps = options.gradient_accumulation_steps if self.steps is None else self.steps
         if steps > 1 and "step watch" not in _state.hooks:
             _state.this_process.once("step watch", _watch_steps)
         training.micro_step += 1
@@ -135,10 +130,13 @@ class accumulate(contextlib.ContextDecorator):
         self._entered = (training, training.accumulation_steps, steps, training.backward_calls, sync_off)
         training.accumulation_steps = steps
         training.accumulating += 1
-        if not sync and not _state.get().options.sync_each_batch:
+        if not sync and not options.sync_each_batch:
             try:
+                strategy = strategy or _state.strategy()
                 for model in self.models:
-                    region = no_sync(model)
+                    if isinstance(model, MixedPrecisionModule):
+                        model = model.forward_module
+                    region = strategy.no_sync(model)
                     region.__enter__()
                     sync_off.append(region)
             except BaseException:
