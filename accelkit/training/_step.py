@@ -14,6 +14,7 @@ import torch.optim.optimizer as optimizer_module
 from torch import nn
 
 from .. import _frames, _state
+from .._options import is_int
 from . import _waits
 from ._precision import MixedPrecisionModule
 
@@ -105,7 +106,7 @@ class accumulate(contextlib.ContextDecorator):
     """
 
     def __init__(self, *models: nn.Module, steps: int | None = None) -> None:
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        if steps is not None and (not is_int(steps) or steps < 1):
             raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
         self.models = models
         self.steps = steps
