@@ -113,6 +113,41 @@ def test_plans_that_calls_miss_or_change_give_the_right_results(pool: WorkerPool
     assert first == expected
 
 
+def replans_of_alternating_calls() -> int:
+    """Runs of three broadcasts and three reductions, six times: how often every rank learned a call anew
+    (a first call at a point, or a plan missed)."""
+    from accelkit.collectives import _checked
+
+    learned = 0
+    original = _checked._agreed
+
+    def counted(*args: Any) -> Any:
+        nonlocal learned
+        learned += 1
+        return original(*args)
+
+    _checked._agreed = counted
+    try:
+        x = torch.ones(8) * ak.rank()
+        for _ in range(6):
+            for _ in range(3):
+                assert ak.broadcast(x).tolist() == [0.0] * 8
+            for _ in range(3):
+                assert ak.reduce(x).tolist() == [1.0] * 8
+    finally:
+        _checked._agreed = original
+    return learned
+
+
+@pytest.mark.distributed
+def test_a_point_followed_by_two_calls_plans_the_usual_one(pool: WorkerPool) -> None:
+    # After a broadcast comes a broadcast twice as often as a reduction (and the other way round): each
+    # point keeps planning its usual call, so each run's first call misses once, not its first two.
+    first, second = pool.run(replans_of_alternating_calls)
+    assert first == second
+    assert first <= 4 + 2 * 5  # the first cycle learns four calls; each later one misses twice
+
+
 def unchecked() -> list[Any]:
     x = torch.arange(3.0) + ak.rank()
     out = [ak.reduce(x).tolist(), ak.gather(x).tolist(), ak.broadcast(x, src=1).tolist()]

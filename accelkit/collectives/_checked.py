@@ -184,8 +184,9 @@ def run(st: ProcessState, call: Call, mover: Mover) -> list[torch.Tensor] | None
     """
     group = _state.group
     key = group.key
-    plan = group.plans.get(key)
-    if plan is None:  # the first call here: the check, then the data
+    point = group.plans.get(key)
+    plan = point.plan if point is not None else None
+    if point is None or plan is None:  # the first call here: the check, then the data
         if not _checked_now(st, call):
             return _disagree(st, call, None)
         return _agreed(st, call, mover, key)
@@ -206,10 +207,12 @@ def run(st: ProcessState, call: Call, mover: Mover) -> list[torch.Tensor] | None
         seen = moving.tail_seen if isinstance(moving, Broadcast) else None
         group.pending = _check.Deferred.start(verdict, call, seen, getattr(moving, "src", -1))
         group.key = call.sig.fingerprint
+        point.agreed(plan.fingerprint)  # if not, every rank raises at its next collective and forgets the counts
         return out
     if _agree(verdict):
         if fits:
             group.key = call.sig.fingerprint
+            point.agreed(plan.fingerprint)
             return out
         return _agreed(st, call, mover, key)  # every rank made this same call, another than planned
     if isinstance(moving, Broadcast) and moving.tail_seen is not None:
@@ -231,7 +234,7 @@ def settle(st: ProcessState) -> None:
     if pending is None or pending.agreed():
         return
     if pending.seen is not None:  # a broadcast's receiver: the source's header tells what it sent
-        _state.group.key = 0
+        _forget(group)
         _mismatch.refuse_broadcast(st, pending.call, pending.src, bytes(pending.seen.tolist()))
         return
     _disagree(st, pending.call, None)
@@ -276,10 +279,17 @@ def _agree(verdict: Any) -> bool:
     return bool(verdict.item()) if isinstance(verdict, torch.Tensor) else bool(verdict)
 
 
+def _forget(group: Any) -> None:
+    """After a disagreement, on every rank that raises: no point (the ranks' histories may differ from here), and no
+    plan (their counts may differ: on an accelerator, a rank counted a call before it knew the others made another)."""
+    group.key = 0
+    group.plans.clear()
+
+
 def _disagree(st: ProcessState, call: Call, mover: Mover | None) -> list[torch.Tensor] | None:
     """The ranks' calls differ: every rank that can tell raises the table (an invalid input's rank: returns,
     and the caller raises its own error)."""
-    _state.group.key = 0
+    _forget(_state.group)
     if isinstance(mover, Broadcast) and st.rank != mover.src:  # a one-way broadcast's receiver: only it can tell
         _mismatch.refuse_broadcast(st, call, mover.src, mover.theirs)
     else:

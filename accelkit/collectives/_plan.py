@@ -8,14 +8,21 @@ that point sends the planned message straight away with its token in it: a rank 
 differs sends the planned sizes all the same (no backend ever sees messages of different sizes)
 and every rank learns from the tokens that the plan was missed.
 
-A plan of a small call carries the token in its data message (one backend call): at the end of a
-reduction's data, as bits reduced along with it, or as the 64-byte header after a gather's or a
-broadcast's bytes. The copies that costs (the data into the message, the results out of it) are
-cheaper than a second backend call while the data is small (a call costs a round trip and, on two
-cores, a thread's turn). Beyond ``TAIL_BYTES`` per rank the copies cost more: the data then moves
-exactly as raw code moves it (into the result, no copy) and the check goes beside it, begun first
-and overlapping the data. So does a reduction whose dtype cannot count the ranks exactly (bfloat16
-beyond 256 ranks, float16 beyond 2048, 8-bit integers).
+A point may be followed by several calls (a loop's last step, an evaluation every N steps): it
+keeps a plan for each call agreed there (up to ``_ALTERNATIVES``) and sends the one agreed most
+often, so that a rare successor misses once and the usual one does not miss after it. The counts
+change only with calls every rank agreed on, so every rank chooses alike; a disagreement makes
+every rank that raises forget the plans (a caught one must not leave the counts apart).
+
+A plan carries the token in its data message (one backend call): at the end of a reduction's data,
+as bits reduced along with it, or as the 64-byte header after a gather's or a broadcast's bytes.
+The copies that costs (the data into the message, the results out of it) were measured cheaper
+than a second backend call beside the data on gloo (a call costs a round trip, and an overlapping
+one a thread's turn and a share of the same sockets), except for a gather or a reduction of more
+than ``TAIL_BYTES`` per rank: their data then moves exactly as raw code moves it (into the result,
+no copy) and the check goes beside it, begun first. So does a reduction whose dtype cannot count
+the ranks exactly (bfloat16 beyond 256 ranks, float16 beyond 2048, 8-bit integers). A broadcast
+always carries its header: its receivers' copy out of the message cost less than a check beside it.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ import torch
 from . import _check
 from ._exchange import WIDER
 
-__all__ = ["Plan", "learn"]
+__all__ = ["Plan", "Point", "learn"]
 
-TAIL_BYTES = 1 << 16  # the data's bytes per rank up to which the token rides in the data message
-_MAX_PLANS = 1024  # beyond, every rank forgets them all alike
+TAIL_BYTES = 1 << 20  # a gather's or reduction's bytes per rank up to which the token rides in the message
+_MAX_PLANS = 1024  # points; beyond, every rank forgets them all alike
+_ALTERNATIVES = 8  # calls remembered per point; beyond, the one agreed least often goes
 
 
 @dataclass(frozen=True)
@@ -48,18 +56,52 @@ class Plan:
         return [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in self.shapes]
 
 
-def learn(plans: dict[int, Plan], key: int, fingerprint: int, mover: tuple[str, Any], data: list[torch.Tensor],
+class Point:
+    """The calls every rank agreed on at one point of the program, and the plan it sends: the one agreed
+    most often (the latest among equals)."""
+
+    __slots__ = ("counts", "plan", "plans")
+
+    def __init__(self) -> None:
+        self.plans: dict[int, Plan] = {}
+        self.counts: dict[int, int] = {}
+        self.plan: Plan | None = None
+
+    def agreed(self, fingerprint: int) -> None:
+        """Every rank made the call ``fingerprint`` here (a planned one, or one just learned)."""
+        counts = self.counts
+        counts[fingerprint] += 1
+        plan = self.plan
+        if plan is None or (plan.fingerprint != fingerprint and counts[fingerprint] >= counts[plan.fingerprint]):
+            self.plan = self.plans[fingerprint]
+
+
+def learn(points: dict[int, Point], key: int, fingerprint: int, mover: tuple[str, Any], data: list[torch.Tensor],
           world: int) -> None:  # fmt: skip
-    """After a call every rank agreed on: plan the next call at ``key`` like it."""
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
+    """After a call every rank agreed on, another than ``key``'s plan: remember it as one to plan there."""
+    if len(points) >= _MAX_PLANS:
+        points.clear()
+    point = points.get(key)
+    if point is None:
+        point = points[key] = Point()
+    if fingerprint not in point.plans and len(point.plans) >= _ALTERNATIVES:
+        rarest = min(point.counts, key=point.counts.__getitem__)
+        del point.plans[rarest], point.counts[rarest]
+        if point.plan is not None and point.plan.fingerprint == rarest:
+            point.plan = None
     shapes = tuple((x.dtype, x.shape) for x in data)
-    plans[key] = Plan(fingerprint, mover, shapes, _tail(data, mover, world))
+    point.plans[fingerprint] = Plan(fingerprint, mover, shapes, _tail(data, mover, world))
+    point.counts.setdefault(fingerprint, 0)
+    point.agreed(fingerprint)
 
 
 def _tail(data: list[torch.Tensor], mover: tuple[str, Any], world: int) -> bool:
     """Whether the token rides in the data message (else: a check beside it)."""
-    if not data or sum(x.numel() * x.element_size() for x in data) > TAIL_BYTES:
+    if not data:
+        return False
+    if mover[0] == "broadcast":
+        return True
+    if sum(x.numel() * x.element_size() for x in data) > TAIL_BYTES:
         return False
     if mover[0] != "reduce":
         return True
