@@ -96,6 +96,7 @@ def misses_and_changes() -> list[Any]:
         out.append(ak.broadcast(torch.full((3,), float(ak.rank())), src=i % 2).tolist())
     big = torch.arange(200_000, dtype=torch.float64) * (ak.rank() + 1)  # beyond the token's ride in the data
     out.extend(float(ak.reduce(big).sum()) for _ in range(3))
+    out.extend(float(ak.broadcast(big, src=1).sum()) for _ in range(3))
     return out
 
 
@@ -109,7 +110,7 @@ def test_plans_that_calls_miss_or_change_give_the_right_results(pool: WorkerPool
     expected += [[5], [3], [5], [6]]
     for i in range(3):
         expected += [[{"rank": 0, "i": i}, {"rank": 1, "i": i}], [float(i % 2)] * 3]
-    expected += [3.0 * sum(range(200_000))] * 3
+    expected += [3.0 * sum(range(200_000))] * 3 + [2.0 * sum(range(200_000))] * 3
     assert first == expected
 
 

@@ -133,29 +133,46 @@ class Broadcast:
         return _exchange.broadcast(leaves, self.src, st.rank)
 
     def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
-        """One broadcast of the source's bytes and header; a receiver compares the header with its own."""
+        """One broadcast of the source's bytes and header; a receiver compares the header with its own.
+
+        Beyond ``TAIL_BYTES`` the data moves as raw code moves it (into the results) and the header follows
+        in a broadcast of its own: cheaper than copying the data into a message and out of it."""
         header = call.sig.header(call.seq)
+        sizes = [x.numel() * x.element_size() for x in leaves]
+        at = sum(sizes)
+        if at > _plan.TAIL_BYTES:
+            out = _exchange.broadcast(leaves, self.src, st.rank)
+            if st.rank == self.src:
+                message = _check.header_tensor(header, st.device)
+            else:
+                message = torch.empty(HEADER, dtype=torch.uint8, device=st.device)
+            _exchange.broadcast_tensor(message, self.src)
+            return out, self._verdict(st, message, 0, header)
         if st.rank == self.src:
             parts = [_exchange.as_bytes(x) for x in leaves]
             message = torch.cat([*parts, _check.header_tensor(header, st.device)])
             _exchange.broadcast_tensor(message, self.src)
             return [_exchange.own(x) for x in leaves], True
-        sizes = [x.numel() * x.element_size() for x in leaves]
-        message = torch.empty(sum(sizes) + HEADER, dtype=torch.uint8, device=st.device)
+        message = torch.empty(at + HEADER, dtype=torch.uint8, device=st.device)
         _exchange.broadcast_tensor(message, self.src)
-        at = sum(sizes)
         out, offset = [], 0
         for x, n in zip(leaves, sizes, strict=True):
             out.append(_exchange.from_bytes(message[offset : offset + n].clone(), x))
             offset += n
+        return out, self._verdict(st, message, at, header)
+
+    def _verdict(self, st: ProcessState, message: torch.Tensor, at: int, header: bytes) -> Any:
+        """Whether the source's header (at ``at`` in ``message``) is this rank's (the source: True)."""
+        if st.rank == self.src:
+            return True
         tail = message[at : at + HEADER]
         if st.device.type != "cpu":
             self.tail_seen = tail.clone()
-            return out, _check.headers_agree_on_device(
+            return _check.headers_agree_on_device(
                 message, 1, message.numel(), at, _check.header_tensor(header, st.device)
             )
         self.theirs = bytes(tail.tolist())
-        return out, self.theirs[:AGREE] == header[:AGREE]
+        return self.theirs[:AGREE] == header[:AGREE]
 
     def source_missed(self, st: ProcessState, plan: _plan.Plan, fits: bool) -> bool:
         """Whether the source's call was another than the plan's (then every rank knows it: a receiver from

@@ -22,7 +22,8 @@ one a thread's turn and a share of the same sockets), except for a gather or a r
 than ``TAIL_BYTES`` per rank: their data then moves exactly as raw code moves it (into the result,
 no copy) and the check goes beside it, begun first. So does a reduction whose dtype cannot count
 the ranks exactly (bfloat16 beyond 256 ranks, float16 beyond 2048, 8-bit integers). A broadcast
-always carries its header: its receivers' copy out of the message cost less than a check beside it.
+beyond ``TAIL_BYTES`` sends its header right after its data in a broadcast of its own (a check beside
+it, an all-reduce, cost up to twice the broadcast on gloo).
 """
 
 from __future__ import annotations
