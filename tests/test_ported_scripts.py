@@ -81,7 +81,7 @@ def prepared_forwarding(precision: str) -> dict[str, Any]:
             sched.step()
             opt.zero_grad()
     return {
-        "model": (type(model).__name__, model.config, model.generate(torch.ones(3, 4))),
+        "model": (model._get_name(), model.config, model.generate(torch.ones(3, 4))),  # its printed name
         "optimizer": (evaluated, opt.mode, isinstance(opt, torch.optim.Optimizer), isinstance(opt, ScheduleFreeLike)),
         "hooks": real_steps,
         "scheduler": (sched.note, sched.last_epoch),
