@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import pickle
 from typing import Any
 
@@ -39,7 +40,16 @@ class CommunicationError(Exception):
         self.cause = cause
 
 
+# The tensors of the last few backend calls, kept alive from Python. gloo's worker thread drops a finished
+# call's tensors after the caller's wait returned, holding its queue's lock; if a tensor's last Python
+# reference was gone by then, dropping it needs the GIL. Were the group being destroyed on the main thread
+# at that moment (a DDP model freed after ak.end_training: ~ProcessGroupGloo takes that lock, holding the
+# GIL), both would wait for ever. Kept here, the worker never drops a tensor's Python object.
+_KEPT: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=8)
+
+
 def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
+    _KEPT.append(args)
     try:
         _wait(fn(*args, async_op=True, **kwargs))
     except torch.OutOfMemoryError:
@@ -99,6 +109,7 @@ def _direct() -> _Direct:
 
 
 def _run(start: Any, *args: Any) -> None:
+    _KEPT.append(args)
     try:
         _wait(start(*args))
     except torch.OutOfMemoryError:
@@ -313,6 +324,7 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
 def start_sum(x: torch.Tensor) -> Any:
     """Begin summing ``x`` in place over the ranks without waiting; :func:`wait` waits for it."""
     d = _direct()
+    _KEPT.append((x,))
     try:
         return d.pg.allreduce([x], d.check)
     except torch.OutOfMemoryError:
