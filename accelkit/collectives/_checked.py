@@ -75,7 +75,7 @@ class Reduce:
             values = [v if v.dtype == dtype else v.to(dtype) for v in values]
             n = values[0].numel() if len(values) == 1 else sum(v.numel() for v in values)
             if verdict is None:  # the first dtype carries the token
-                logic = self.wire != "sum" or dtype == torch.bool
+                logic = _check.logic(dtype, self.wire)
                 message = torch.cat([*values, *_check.bits(call.token, dtype, st.device, logic)])
                 _exchange.all_reduce(message, self.wire)
                 verdict = _verdict_of_bits(st, message[n:], logic)
