@@ -8,6 +8,7 @@ through a gloo group of its own, so that it never interleaves with the training 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,14 +24,7 @@ Exchange = Callable[[Any], list[Any]]  # every rank's object, in rank order (an 
 
 def exchange_on(group: Any) -> Exchange:
     """An all-gather of small objects over ``group`` (a process group the caller's thread alone uses)."""
-    import torch.distributed as dist
-
-    def exchange(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    return exchange
+    return functools.partial(collectives.exchange_objects, group=group)
 
 
 @dataclass(frozen=True)
@@ -66,9 +60,13 @@ class Agreement:
         if failed:
             if isinstance(error, CheckpointError) and self.exchange is None:
                 raise error
-            lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
-            raise CheckpointError(f"{self.call} failed, {consequence}:\n{lines}") from error
+            raise self.failure(consequence, failed) from error
         return [v for _, v in outcomes] if share else [value]
+
+    def failure(self, consequence: str, failed: list[tuple[int, str]]) -> CheckpointError:
+        """The error every rank raises when the ranks ``failed`` (rank, what went wrong) did."""
+        lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
+        return CheckpointError(f"{self.call} failed, {consequence}:\n{lines}")
 
 
 def describe(exc: BaseException) -> str:

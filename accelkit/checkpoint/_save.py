@@ -1,6 +1,6 @@
 """One ``ak.save_state``, step by step: begin on the calling thread, then write, agree, commit, prune.
 
-:func:`begin` agrees on the directory and creates the temporary one beside it (collectives of the
+:func:`begin` agrees on the directory and creates the temporary one beside it (one exchange on the
 training thread). :func:`write` does the rest, on the calling thread for a blocking save, on a
 background thread (``_async``) for ``blocking=False``: each rank writes and fsyncs its files, the
 ranks agree that all succeeded, the main process writes the manifest and renames the temporary
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import _group, _safe_io, _state, collectives
-from ..errors import CheckpointError
+from .. import _group, _safe_io, _state
 from . import _commit, _files, _manifest, _rank_state, _sharded
 from ._agree import Agreement
 from ._objects import Contents
@@ -50,20 +49,33 @@ def begin(call: str, directory: str | os.PathLike[str], keep_last: int | None, c
     """Agree on the directory and create the temporary one; every rank must call it."""
     st = _state.get()
     target = Path(directory).absolute()
-    token = str(collectives.broadcast_object(f"{uuid.uuid4().hex[:12]}|{target}" if st.is_main_process else None))
-    tmp = target.with_name(f"{_commit.TMP}{target.name}-{token[:12]}")
-    agree = Agreement.here(call)
+    agree, nothing = Agreement.here(call), "nothing was written"
 
-    def same_directory() -> None:
-        if token[13:] != str(target):  # inside an agreement: every rank raises, none waits
-            raise CheckpointError(
-                f"this rank saves to {str(target)!r} but rank 0 to {token[13:]!r}; a checkpoint is one directory: "
-                f"pass the same path on every rank (decide it on the main process and share it with "
-                f"ak.broadcast_object(path), or derive it from the step)"
-            )
+    def start() -> tuple[str, str]:  # one exchange: the main process creates tmp, every rank says where it saves
+        token = uuid.uuid4().hex[:12]  # rank 0's names the temporary directory
+        if st.is_main_process:
+            _commit.begin(target, target.with_name(f"{_commit.TMP}{target.name}-{token}"))
+        return token, str(target)
 
-    agree.each("nothing was written", same_directory)
-    agree.each("nothing was written", lambda: _commit.begin(target, tmp) if st.is_main_process else None)
+    parts = agree.gather(nothing, start)
+    token, main_target = parts[0]
+    tmp = target.with_name(f"{_commit.TMP}{target.name}-{token}")
+    elsewhere = [(rank, where) for rank, (_, where) in enumerate(parts) if where != main_target]
+    if elsewhere:  # every rank has every rank's path: every rank raises the same error
+        if st.is_main_process:
+            tmp.rmdir()  # created empty just now
+        raise agree.failure(
+            nothing,
+            [
+                (
+                    rank,
+                    f"CheckpointError: rank {rank} saves to {where!r} but rank 0 to {main_target!r}; a checkpoint is "
+                    f"one directory: pass the same path on every rank (decide it on the main process and share it "
+                    f"with ak.broadcast_object(path), or derive it from the step)",
+                )
+                for rank, where in elsewhere
+            ],
+        )
     rank_state = json.dumps(_rank_state.capture()).encode()
     facts = _group.job_facts(st.options, st.world_size)
     return Job(call, target, tmp, st.rank, st.world_size, contents, rank_state, facts, keep_last)

@@ -134,17 +134,28 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     path = Path(directory)
     agree = Agreement.here(call)
     nothing = "nothing was changed"
-    body, mine = agree.each(nothing, lambda: _load.survey(path, objects, st, strict))
-    check = _load.Verification(path, mine, body["files"])  # while the files are read
-    try:
-        loaded = agree.each(nothing, lambda: check.first(lambda: _load.read(path, body, objects, st, strict)))
+    started: list[_load.Verification] = []  # joined however the load ends
+
+    def read() -> tuple[dict[str, Any], _load.Verification, _load.Loaded]:
+        body, mine = _load.survey(path, objects, st, strict)
+        check = _load.Verification(path, mine, body["files"])  # while the files are read
+        started.append(check)
+        return body, check, check.first(lambda: _load.read(path, body, objects, st, strict))
+
+    def read_sharded(check: _load.Verification) -> dict[str, Any]:
+        found = check.first(lambda: _load.readers(path, objects, sharded, owners))
+        check.check()  # DCP read into fresh tensors: nothing was applied yet
+        return found
+
+    try:  # two exchanges: what each rank read (changing nothing), then DCP's reads and the checksums
+        body, check, loaded = agree.each(nothing, read)
         sharded = _load.check_fits(call, path, objects, body)
         owned = {n: o for n, o in objects.items() if n in sharded or (n in body["full"] and not _is_module(o))}
         owners = _objects.owners(call, owned, objects)  # the same on every rank
-        appliers = agree.each(nothing, lambda: check.first(lambda: _load.readers(path, objects, sharded, owners)))
-        agree.each(nothing, check.check)  # DCP read into fresh tensors: nothing was applied yet
+        appliers = agree.each(nothing, lambda: read_sharded(check))
     finally:
-        check.join()
+        for started_check in started:
+            started_check.join()
     left = sorted(set(body["objects"]) - set(objects))
     if left and st.is_main_process:
         warnings.warn(
