@@ -22,7 +22,7 @@ from test_checkpoint import saved_fill, small_model
 from test_checkpoint_sharded import assert_equal, run
 
 import accelkit as ak
-from accelkit import _safe_io
+from accelkit import _safe_io, _state
 from accelkit.checkpoint import CheckpointError
 from accelkit.testing import WorkerPool
 
@@ -158,3 +158,24 @@ def test_a_rank_that_cannot_stage_fails_the_save_on_every_rank(pool: WorkerPool,
     for message in pool.run(fail_to_stage_on_rank_1, str(tmp_path)):
         assert "nothing was written" in message and "rank 1: MemoryError: cannot allocate the staging" in message
     assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and not (tmp_path / "b").exists()
+
+
+def background_agreement_tensors(root: str) -> tuple[bool, list[Any]]:
+    """After an async save: whether its group's last calls' tensors are held from Python; a big exchange."""
+    from accelkit.collectives import _exchange, exchange_objects
+
+    _exchange._KEPT.clear()
+    ak.save_state(f"{root}/a", blocking=False, model=ak.prepare(small_model(1.0)), step=1)
+    ak.wait_for_checkpoint()
+    group = _state.group.checkpoint_group
+    kept = [t for args in _exchange._KEPT for t in args if isinstance(t, list) and t and isinstance(t[0], torch.Tensor)]
+    big = exchange_objects({"rank": ak.rank(), "pad": "x" * 5000 * (ak.rank() + 1)}, group)
+    return bool(kept), [(b["rank"], len(b["pad"])) for b in big]
+
+
+def test_the_background_group_keeps_its_last_calls_tensors_alive(pool: WorkerPool, tmp_path: Path) -> None:
+    # gloo's worker thread drops a finished call's tensors after the caller's wait; were that the last reference,
+    # it would need the GIL while ak.end_training destroys the group on the main thread, holding it (a hang).
+    for kept, big in pool.run(background_agreement_tensors, str(tmp_path)):
+        assert kept, "the agreements of the background save keep their tensors (as the collectives do)"
+        assert big == [(0, 5000), (1, 10000)]  # beyond one message slot, in rank order

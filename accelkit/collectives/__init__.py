@@ -13,6 +13,7 @@ from ._api import (
     reduce,
     settle,
 )
+from ._exchange import exchange_objects
 
-__all__ = ["REDUCE_OPS", "ReduceOp", "any_rank", "barrier", "broadcast", "broadcast_object", "gather",
-           "gather_object", "pad_across_processes", "reduce", "settle"]  # fmt: skip
+__all__ = ["REDUCE_OPS", "ReduceOp", "any_rank", "barrier", "broadcast", "broadcast_object", "exchange_objects",
+           "gather", "gather_object", "pad_across_processes", "reduce", "settle"]  # fmt: skip

@@ -130,15 +130,15 @@ def all_reduce(x: torch.Tensor, op: str) -> None:
     _run(d.pg.allreduce, [torch.view_as_real(x) if x.is_complex() else x], d.reduce[op])
 
 
-def all_gather(out: torch.Tensor, x: torch.Tensor, world: int) -> None:
-    """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order."""
-    d = _direct()
+def all_gather(out: torch.Tensor, x: torch.Tensor, world: int, group: Any = None) -> None:
+    """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order (over ``group``)."""
+    d = _direct() if group is None else None
     if x.is_complex():
         out, x = torch.view_as_real(out), torch.view_as_real(x)
-    if d.gather_single is not None:
+    if d is not None and d.gather_single is not None:
         _run(d.gather_single, out, x, d.gather)
-    else:  # a backend without the single-tensor form
-        _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x)
+    else:  # another group than the default one, or a backend without the single-tensor form
+        _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -253,11 +253,11 @@ def pad(
     return result
 
 
-def gather_bytes(payload: bytes, device: torch.device, world: int) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (one call when all fit in the first slot)."""
+def gather_bytes(payload: bytes, device: torch.device, world: int, group: Any = None) -> list[bytes]:
+    """Every rank's ``payload``, in rank order (one call when all fit in the first slot; over ``group``)."""
     first = _slot(payload, device)
     out = first.new_empty(world * _SLOT)
-    all_gather(out, first, world)
+    all_gather(out, first, world, group)
     rows = _split(_host_bytes(out), _SLOT)
     lengths = [int.from_bytes(r[:8], "little") for r in rows]
     rest = max(lengths) - (_SLOT - 8)
@@ -265,7 +265,7 @@ def gather_bytes(payload: bytes, device: torch.device, world: int) -> list[bytes
         return [bytes(r[8 : 8 + n]) for r, n in zip(rows, lengths, strict=True)]
     tail = to_tensor(payload[_SLOT - 8 :].ljust(rest, b"\0"), device)
     out = tail.new_empty(world * rest)
-    all_gather(out, tail, world)
+    all_gather(out, tail, world, group)
     tails = _split(_host_bytes(out), rest)
     return [bytes((r[8:] + t)[:n]) for r, t, n in zip(rows, tails, lengths, strict=True)]
 
@@ -285,6 +285,17 @@ def broadcast_bytes(payload: bytes, length: int, src: int, rank: int, device: to
     if length:
         broadcast_tensor(data, src)
     return payload if rank == src else bytes(_host_bytes(data))
+
+
+def exchange_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj`` over ``group``, in rank order: an unchecked all-gather on the host.
+
+    For a gloo group of its own that one thread alone uses (a background checkpoint save's agreements);
+    its backend calls keep their tensors alive as the collectives' do (``_KEPT``), so that destroying the
+    group later never waits on gloo's worker thread for the GIL.
+    """
+    world = dist.get_world_size(group)
+    return [loads(b) for b in gather_bytes(pickle.dumps(obj), torch.device("cpu"), world, group)]
 
 
 def barrier() -> None:
