@@ -10,9 +10,10 @@ through its commit protocol and its verified load (every byte checksummed). Samp
 and alternate in order; the target is a median paired ratio >= 0.9 (``ok``).
 
 The sharded rows run the same state ``fully_shard``-ed over 2 gloo CPU processes: accelkit
-(DCP inside its commit protocol, checksummed while writing, verified and loaded into fresh
-tensors) against the plain recipe: ``dcp.save`` / ``dcp.load`` of ``get_state_dict`` and
-``set_state_dict`` (DCP fsyncs every file, not its folder; no checksums, loaded in place).
+(DCP inside its commit protocol, checksummed while writing; on load every file verified and
+DCP's plans and non-tensor items checked, then read in place) against the plain recipe:
+``dcp.save`` / ``dcp.load`` of ``get_state_dict`` and ``set_state_dict`` (DCP fsyncs every
+file, not its folder; no checksums, loaded in place).
 Times are rank 0's.
 
 The last row is the stall a training loop sees for ``save_state(blocking=False)`` of ~1 GB of

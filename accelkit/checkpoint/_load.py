@@ -3,8 +3,9 @@
 Phases one and two (:func:`read`) change nothing: each rank checks its share of the files
 against the manifest (size, CRC-32; the ranks agree on the outcome), and deserializes without
 running code from them (``torch.load(weights_only=True)``, JSON, restricted unpickling of DCP's
-metadata). Plain files are mapped, not copied (``_files``). Phase three (:func:`apply`) changes
-the live objects, in the order given.
+metadata; DCP's plans and non-tensor items, :func:`readers`). Plain files are mapped, not copied
+(``_files``). Phase three (:func:`apply`, the functions of :func:`readers`) changes the live
+objects, in the order given: DCP reads the verified shards straight into their tensors.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def check_fits(call: str, path: Path, objects: dict[str, Any], body: dict[str, A
 
 
 def readers(path: Path, objects: dict[str, Any], sharded: list[str], owners: dict[str, Any]) -> dict[str, Any]:
-    """For each DCP object, its state read into fresh tensors and the function that applies it (collectives)."""
+    """For each DCP object, checked against the checkpoint, the function that loads it in place (collectives)."""
     distributed = _state.get().distributed
     out: dict[str, Callable[[], None]] = {}
     for name, obj in objects.items():  # DCP's collectives: in the same order on every rank

@@ -144,10 +144,10 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
 
     def read_sharded(check: _load.Verification) -> dict[str, Any]:
         found = check.first(lambda: _load.readers(path, objects, sharded, owners))
-        check.check()  # DCP read into fresh tensors: nothing was applied yet
+        check.check()  # every file verified before DCP reads into the live tensors (below)
         return found
 
-    try:  # two exchanges: what each rank read (changing nothing), then DCP's reads and the checksums
+    try:  # two exchanges: what each rank read, then DCP's plans and the checksums; nothing changed yet
         body, check, loaded = agree.each(nothing, read)
         sharded = _load.check_fits(call, path, objects, body)
         owned = {n: o for n, o in objects.items() if n in sharded or (n in body["full"] and not _is_module(o))}

@@ -5,8 +5,9 @@ by ``ak.prepare``), or an optimizer over such a module's parameters. Each rank s
 shards with ``dcp.save`` into ``NAME.dcp/`` inside the checkpoint's temporary directory,
 checksumming every file while writing (:class:`_HashingFileSystem`), so that the commit
 protocol of ``ak.save_state`` covers them as any other file. Loading reads ``.metadata``
-with a restricted unpickler and non-tensor items with ``torch.load(weights_only=True)``,
-into fresh tensors; the live objects change only in the function :func:`load` returns.
+with a restricted unpickler, runs DCP's planning and unpickles every non-tensor item with
+``torch.load(weights_only=True)`` first (:func:`load`); once every file is verified, the
+function it returns reads the shards straight into the live tensors, as ``dcp.load`` does.
 DCP reshards on load: a checkpoint saved by N processes loads on M, sharded or not.
 
 ``torch.distributed.checkpoint`` is imported here, inside functions: ``import accelkit``
@@ -253,22 +254,40 @@ def _planner_type() -> type:
     return _SafePlanner
 
 
-def _fresh(tree: Any) -> Any:
-    """``tree`` with new, uninitialised tensors of the same kind (DTensors keep their placements)."""
-    if isinstance(tree, torch.Tensor):
-        return torch.empty_like(tree)
-    if isinstance(tree, dict):
-        return {k: _fresh(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_fresh(v) for v in tree]
-    return tree
+def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> None:
+    """What ``dcp.load`` of ``state`` from ``folder`` would refuse before it writes a tensor, raised now.
+
+    DCP's own planning (keys, sizes) runs here, and every non-tensor item it would read is
+    unpickled as ``torch.load(weights_only=True)`` does, so that the in-place load that follows
+    meets nothing it refuses once it has begun.
+    """
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    planner = _planner_type()()
+    planner.set_up_planner(state, metadata, False)
+    for item in planner.create_local_plan().items:
+        if item.type != LoadItemType.BYTE_IO:
+            continue
+        info = metadata.storage_data[item.storage_index]
+        where = f"the item {item.storage_index.fqn} in {info.relative_path}"
+        if info.transform_descriptors:  # accelkit writes none
+            raise ValueError(f"{where} is stored transformed ({info.transform_descriptors}): accelkit does not read it")
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
 
 
 def load(folder: Path, obj: Any, owner: nn.Module | None, distributed: bool) -> Callable[[], None]:
-    """Read ``obj``'s state from ``folder`` into new tensors; the function that applies it.
+    """Check that ``folder`` loads into ``obj``, changing nothing; the function that loads it, in place.
 
-    Every rank must call it. It raises (CheckpointError, on every rank) when the checkpoint
-    does not fit ``obj``, before ``obj`` has changed.
+    Every rank must call both (the function runs DCP's collectives). The check raises
+    CheckpointError when the checkpoint does not fit ``obj``: DCP's planning and every
+    non-tensor item. Called once every file is verified, the function then meets nothing to
+    refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -286,21 +305,26 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, distributed: bool) -> 
     else:
         raise TypeError(f"{type(obj).__qualname__} is loaded from DCP: pass the module it optimizes (optimizer_owner)")
     fresh = optimizer is not None and not optimizer.state
+    failed = f"{folder} could not be loaded into {type(obj).__qualname__}"
+    target: Any  # the state dict of get_model_state_dict or get_optimizer_state_dict
     try:
         if optimizer is None:
-            target = _fresh(get_model_state_dict(module))
+            target = get_model_state_dict(module)  # the live tensors
         else:
-            target = _fresh(get_optimizer_state_dict(module, optimizer))  # initialises a fresh optimizer's state
-        with _single_process_is_meant():
-            dcp_load(target, storage_reader=_reader_type()(folder), planner=_planner_type()(), no_dist=not distributed)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            target = get_optimizer_state_dict(module, optimizer)  # initialises a fresh optimizer's state
+        _check_items(folder, target, read_metadata(folder / _METADATA))
+    except Exception as exc:
         if fresh and optimizer is not None:
             optimizer.state.clear()  # as it was
-        raise CheckpointError(
-            f"{folder} could not be loaded into {type(obj).__qualname__} (nothing was changed): {_dcp_failure(exc)}"
-        ) from exc
+        raise CheckpointError(f"{failed} (nothing was changed): {_dcp_failure(exc)}") from exc
 
     def apply() -> None:
+        reader, planner = _reader_type()(folder), _planner_type()()
+        try:
+            with _single_process_is_meant():
+                dcp_load(target, storage_reader=reader, planner=planner, no_dist=not distributed)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(f"{failed}: {_dcp_failure(exc)}") from exc
         if optimizer is None:
             set_model_state_dict(module, target)
         else:
