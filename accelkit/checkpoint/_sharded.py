@@ -265,20 +265,24 @@ def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> None:
 
     planner = _planner_type()()
     planner.set_up_planner(state, metadata, False)
-    for item in planner.create_local_plan().items:
-        if item.type != LoadItemType.BYTE_IO:
-            continue
-        info = metadata.storage_data[item.storage_index]
-        where = f"the item {item.storage_index.fqn} in {info.relative_path}"
-        if info.transform_descriptors:  # accelkit writes none
-            raise ValueError(f"{where} is stored transformed ({info.transform_descriptors}): accelkit does not read it")
-        with open(folder / info.relative_path, "rb") as f:
+    with contextlib.ExitStack() as files:
+        opened: dict[str, Any] = {}  # each file opened once
+        for item in planner.create_local_plan().items:
+            if item.type != LoadItemType.BYTE_IO:
+                continue
+            info = metadata.storage_data[item.storage_index]
+            where = f"the item {item.storage_index.fqn} in {info.relative_path}"
+            if info.transform_descriptors:  # accelkit writes none
+                raise ValueError(f"{where} is stored transformed ({info.transform_descriptors}): accelkit refuses it")
+            name = str(info.relative_path)
+            f = opened.get(name)
+            if f is None:
+                f = opened[name] = files.enter_context(open(folder / name, "rb"))
             f.seek(info.offset)
-            data = f.read(info.length)
-        try:
-            torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as exc:
-            raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
+            try:
+                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            except Exception as exc:
+                raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
 
 
 def load(folder: Path, obj: Any, owner: nn.Module | None, distributed: bool) -> Callable[[], None]:
