@@ -127,7 +127,7 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
             f"{origin}: {', '.join(k for k in changes if k in _STRATEGY_OPTIONS)} cannot change after ak.prepare "
             f"wrapped a model for strategy={st.options.strategy!r}; call ak.init(...) before ak.prepare."
         )
-    options = replace(st.options, **changes)
+    options = st.options._replace(**changes)
     hardware, device = st.hardware, st.device
     if fixed:  # one process, no group: choose the device again
         hardware = select_backend(cpu=options.cpu)

@@ -8,7 +8,7 @@ import atexit
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from ..config import resolve
@@ -122,10 +122,10 @@ class ProcessGlobals:
 
 
 def _renew(record: Any) -> None:
-    """Every field of a dataclass ``record`` back to its default, in place."""
+    """Every attribute of a ``__slots__`` record (``TrainingState``, ``GroupState``) back to its default, in place."""
     fresh = type(record)()
-    for f in fields(record):
-        setattr(record, f.name, getattr(fresh, f.name))
+    for name in type(record).__slots__:
+        setattr(record, name, getattr(fresh, name))
 
 
 this_process = ProcessGlobals()

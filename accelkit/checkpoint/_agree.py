@@ -9,8 +9,7 @@ through a gloo group of its own, so that it never interleaves with the training 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from .. import _state, collectives
 from ..errors import CheckpointError
@@ -33,8 +32,7 @@ def exchange_on(group: Any) -> Exchange:
     return exchange
 
 
-@dataclass(frozen=True)
-class Agreement:
+class Agreement(NamedTuple):
     """Runs checkpoint steps on every rank of ``call`` and shares their outcome (``exchange`` None: one process)."""
 
     call: str
