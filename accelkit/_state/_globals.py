@@ -8,7 +8,6 @@ import atexit
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from ..config import resolve
@@ -198,8 +197,7 @@ def new_task() -> None:
             from .._strategies import select_strategy
 
             resolved = resolve(call="accelkit.testing")
-            st = this_process.state = replace(
-                st,
+            st = this_process.state = st._replace(
                 options=resolved.options,
                 sources=dict(resolved.sources),
                 origins={},

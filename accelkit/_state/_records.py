@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -19,9 +17,11 @@ if TYPE_CHECKING:
 __all__ = ["NOWHERE", "GroupState", "Now", "ProcessState", "TrainingState"]
 
 
-@dataclass(frozen=True)
-class ProcessState:
+class ProcessState(NamedTuple):
     """Where this process stands in the job. Read it with ``ak.state()``.
+
+    A named tuple: ``st._replace(name=value)`` makes a changed copy. ``pid``, ``hardware``,
+    ``strategy``, ``sources`` and ``origins`` take no part in its equality, hash and repr.
 
     Example:
         >>> import accelkit as ak
@@ -40,11 +40,28 @@ class ProcessState:
     options: Options
     launcher: str = "none"
     restart_count: int = 0  # how many times the elastic agent restarted the job so far
-    pid: int = field(default_factory=os.getpid, repr=False, compare=False)
-    hardware: Backend | None = field(default=None, repr=False, compare=False)
-    strategy: Strategy | None = field(default=None, repr=False, compare=False)  # chosen once, from the options
-    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> its layer
-    origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> who set it in code
+    # Not compared (see _COMPARED):
+    pid: int = 0  # the process that made it: a forked child does not use its parent's
+    hardware: Backend | None = None
+    strategy: Strategy | None = None  # chosen once, from the options
+    sources: Mapping[str, str] = {}  # option -> its layer
+    origins: Mapping[str, str] = {}  # option -> who set it in code
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self[:_COMPARED] == other[:_COMPARED]
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(self[:_COMPARED])
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields[:_COMPARED], self, strict=False))
+        return f"{type(self).__qualname__}({shown})"
 
     @property
     def distributed(self) -> bool:
@@ -57,6 +74,9 @@ class ProcessState:
     @property
     def is_local_main_process(self) -> bool:
         return self.local_rank == 0
+
+
+_COMPARED = ProcessState._fields.index("pid")  # the fields before pid make a state's identity
 
 
 class TrainingState:
