@@ -221,6 +221,8 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
+    if home is None and name.startswith("_"):  # a private name (a submodule's, while ``from . import _x`` runs)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if home is None:  # Accelerate's spelling of an accelkit name gets accelkit's in the message
         from ._accelerate_names import missing_name
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import ConfigurationError
 
@@ -84,8 +84,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
+class LaunchEnv(NamedTuple):
     """Where this process sits in a job, as its launcher described it."""
 
     launcher: str  # "torchrun", "openmpi", "pmi", "slurm" or "none"

@@ -11,9 +11,8 @@ import contextlib
 import traceback
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -26,8 +25,7 @@ _GRACE = 60.0  # seconds beyond the collective timeout that ranks wait for each 
 _KEYS = ("size", "failures", "arrived", "done")
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What every rank reported after one attempt: (rank, kind, summary) of each failure."""
 
     failures: list[tuple[int, str, str]]

@@ -4,7 +4,7 @@
   sharding), in every process; :class:`LaunchSettings`: how many workers to start and where.
 - :class:`StateOptions`, :class:`InitOptions`, :class:`LaunchOptions`: the same names as
   ``TypedDict``\\ s, for the ``**options`` of ``ak.init``, ``@ak.distributed``, ``ak.launch``
-  and ``accelkit.testing`` (a test checks that their keys equal the dataclasses' fields).
+  and ``accelkit.testing`` (a test checks that their keys equal the records' fields).
 - :func:`validate`: one table of rules, so code, ``ACCELKIT_*`` variables, the config file and
   the command line all refuse the same values with the same words.
 
@@ -18,9 +18,8 @@ import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Literal, TypedDict, TypeGuard, get_args
+from typing import Any, Literal, NamedTuple, TypedDict, TypeGuard, get_args
 
 from . import _env
 from .errors import ConfigurationError
@@ -44,8 +43,7 @@ DEFAULT_TIMEOUT = 600.0  # seconds a collective may wait before the job fails
 DEFAULT_RDZV_TIMEOUT = 300.0  # seconds the nodes of a job wait for each other
 
 
-@dataclass(frozen=True)
-class Options:
+class Options(NamedTuple):
     """Options of the process state (precision, accumulation, debug, device, timeouts, sharding, tracking)."""
 
     precision: Precision = "no"
@@ -73,11 +71,10 @@ class Options:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return cls._fields
 
 
-@dataclass(frozen=True)
-class LaunchSettings:
+class LaunchSettings(NamedTuple):
     """How many workers to start, where, and how the nodes meet (``@ak.distributed``, ``accelkit launch``)."""
 
     num_processes: int | None = None  # per node; None: one per device
@@ -95,7 +92,7 @@ class LaunchSettings:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return cls._fields
 
     @property
     def world_size(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -25,8 +25,7 @@ T = TypeVar("T")
 __all__ = ["TreeSpec", "apply_to_tensors", "describe", "flatten", "leaf_paths", "map_tensors", "signature", "unflatten"]
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeSpec:
+class TreeSpec(NamedTuple):
     """How to rebuild a tree from its leaves, which come in :func:`flatten` order."""
 
     kind: str  # "leaf", "list", "tuple", "namedtuple", "mapping" or "dataclass"

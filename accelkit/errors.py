@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "CheckpointError",
@@ -36,8 +36,7 @@ class NoExecutableBatchSizeError(RuntimeError):
     """``find_executable_batch_size`` ran out of memory with every batch size down to 1 (or started at 0)."""
 
 
-@dataclass(frozen=True)
-class WorkerFailure:
+class WorkerFailure(NamedTuple):
     """What one failed worker reported.
 
     ``exc_type`` and ``message`` are empty when the process died without a Python
@@ -104,8 +103,9 @@ class WorkerError(RuntimeError):
 _SIGTERM = 15  # what the agent sends the workers it stops after a failure
 
 # How a collective that gave up says whom it waited for (accelkit.collectives, accelkit._group's board).
-_GAVE_UP = re.compile(r"^(accelkit\.\w+ #\d+) failed on process \d+ of \d+: ")
-_WHERE = re.compile(r"^  - process (\d+): (.+)$", re.MULTILINE)
+# Patterns, not compiled ones: compiled (and cached by ``re``) only when a failure is described.
+_GAVE_UP = r"^(accelkit\.\w+ #\d+) failed on process \d+ of \d+: "
+_WHERE = r"^  - process (\d+): (.+)$"
 
 
 def _waited_for(first: WorkerFailure) -> str:
@@ -114,11 +114,11 @@ def _waited_for(first: WorkerFailure) -> str:
     That rank is the cause (it hangs, or is stuck elsewhere): it leads, with where it is; the
     waiting rank's own error (the backend's timeout text) follows in the list. "" otherwise.
     """
-    call = _GAVE_UP.match(first.message)
+    call = re.match(_GAVE_UP, first.message)
     missing = re.search(r"^process(?:es)? ([\d, ]+) never reached it$", first.message, re.MULTILINE)
     if not (first.lost_peer and call and missing):
         return ""
-    where = dict(_WHERE.findall(first.message))
+    where = dict(re.findall(_WHERE, first.message, re.MULTILINE))
     ranks = [r.strip() for r in missing.group(1).split(",")]
     if len(ranks) == 1:
         who, places = f"rank {ranks[0]}", f"it is {where.get(ranks[0], 'gone (no position known)')}"

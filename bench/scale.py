@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -159,7 +158,7 @@ def _client(port: int, gate: int, index: int, seconds: float, op: str) -> dict[s
     from accelkit._group import Position
 
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False)  # type: ignore[attr-defined]
-    payload, key = json.dumps(asdict(_position(Position, index))), f"board/position/{index}"
+    payload, key = json.dumps(_position(Position, index)._asdict()), f"board/position/{index}"
     store.set(key, payload)
     _gate(gate)
     count, start = 0, time.perf_counter()
@@ -179,7 +178,7 @@ def _reader(port: int, gate: int, keys: int, repeats: int) -> dict[str, Any]:
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False)  # type: ignore[attr-defined]
     names = [f"board/position/{k}" for k in range(keys)]
     for k, name in enumerate(names):
-        store.set(name, json.dumps(asdict(_position(Position, k))))
+        store.set(name, json.dumps(_position(Position, k)._asdict()))
     _gate(gate)
     times = []
     for _ in range(repeats):

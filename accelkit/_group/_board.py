@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["Position", "describe_missing", "find_conflict", "post_report", "publish", "read_positions",
            "read_reports"]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
     """Where one rank was when its heartbeat last published.
 
     Example:
@@ -62,7 +60,7 @@ class Position:
 
 
 def publish(store: Any, prefix: str, position: Position) -> None:
-    store.set(f"{prefix}/position/{position.rank}", json.dumps(asdict(position)))
+    store.set(f"{prefix}/position/{position.rank}", json.dumps(position._asdict()))
 
 
 def read_positions(store: Any, prefix: str, world: int) -> dict[int, Position]:

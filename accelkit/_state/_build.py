@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .. import _env, _frames
@@ -127,7 +127,7 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
             f"{origin}: {', '.join(k for k in changes if k in _STRATEGY_OPTIONS)} cannot change after ak.prepare "
             f"wrapped a model for strategy={st.options.strategy!r}; call ak.init(...) before ak.prepare."
         )
-    options = replace(st.options, **changes)
+    options = st.options._replace(**changes)
     hardware, device = st.hardware, st.device
     if fixed:  # one process, no group: choose the device again
         hardware = select_backend(cpu=options.cpu)
@@ -141,8 +141,8 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
         strategy = select_strategy(options, st.world_size, device)
         if st.strategy is not None:
             strategy.keep_from(st.strategy)
-    st = this_process.state = replace(
-        st, options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
+    st = this_process.state = st._replace(
+        options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
     )
     training.strategy = strategy
     return st
@@ -180,6 +180,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
         options=options,
         launcher=launch.launcher,
         restart_count=launch.restart_count,
+        pid=os.getpid(),
         hardware=hardware,
         strategy=select_strategy(options, launch.world_size, device),
         sources=dict(resolved.sources),

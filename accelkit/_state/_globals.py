@@ -8,7 +8,6 @@ import atexit
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import fields, replace
 from typing import Any
 
 from ..config import resolve
@@ -122,10 +121,10 @@ class ProcessGlobals:
 
 
 def _renew(record: Any) -> None:
-    """Every field of a dataclass ``record`` back to its default, in place."""
+    """Every attribute of a ``__slots__`` record (``TrainingState``, ``GroupState``) back to its default, in place."""
     fresh = type(record)()
-    for f in fields(record):
-        setattr(record, f.name, getattr(fresh, f.name))
+    for name in type(record).__slots__:
+        setattr(record, name, getattr(fresh, name))
 
 
 this_process = ProcessGlobals()
@@ -198,8 +197,7 @@ def new_task() -> None:
             from .._strategies import select_strategy
 
             resolved = resolve(call="accelkit.testing")
-            st = this_process.state = replace(
-                st,
+            st = this_process.state = st._replace(
                 options=resolved.options,
                 sources=dict(resolved.sources),
                 origins={},

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -19,9 +17,11 @@ if TYPE_CHECKING:
 __all__ = ["NOWHERE", "GroupState", "Now", "ProcessState", "TrainingState"]
 
 
-@dataclass(frozen=True)
-class ProcessState:
+class ProcessState(NamedTuple):
     """Where this process stands in the job. Read it with ``ak.state()``.
+
+    A named tuple: ``st._replace(name=value)`` makes a changed copy. ``pid``, ``hardware``,
+    ``strategy``, ``sources`` and ``origins`` take no part in its equality, hash and repr.
 
     Example:
         >>> import accelkit as ak
@@ -40,11 +40,28 @@ class ProcessState:
     options: Options
     launcher: str = "none"
     restart_count: int = 0  # how many times the elastic agent restarted the job so far
-    pid: int = field(default_factory=os.getpid, repr=False, compare=False)
-    hardware: Backend | None = field(default=None, repr=False, compare=False)
-    strategy: Strategy | None = field(default=None, repr=False, compare=False)  # chosen once, from the options
-    sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> its layer
-    origins: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)  # option -> who set it in code
+    # Not compared (see _COMPARED):
+    pid: int = 0  # the process that made it: a forked child does not use its parent's
+    hardware: Backend | None = None
+    strategy: Strategy | None = None  # chosen once, from the options
+    sources: Mapping[str, str] = {}  # option -> its layer
+    origins: Mapping[str, str] = {}  # option -> who set it in code
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self[:_COMPARED] == other[:_COMPARED]
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(self[:_COMPARED])
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields[:_COMPARED], self, strict=False))
+        return f"{type(self).__qualname__}({shown})"
 
     @property
     def distributed(self) -> bool:
@@ -59,7 +76,9 @@ class ProcessState:
         return self.local_rank == 0
 
 
-@dataclass
+_COMPARED = ProcessState._fields.index("pid")  # the fields before pid make a state's identity
+
+
 class TrainingState:
     """The mutable side of training in this process; reset in place with the process state (one
     object for the life of the process: ``_state.training``, read on the step path).
@@ -86,18 +105,22 @@ class TrainingState:
       (``checkpoint/_async``); ``close()`` waits for it, before the state or group goes.
     """
 
-    micro_step: int = 0
-    sync_gradients: bool = True
-    active_loaders: list[Any] = field(default_factory=list)
-    accumulation_steps: int = 1
-    accumulating: int = 0
-    backward_calls: int = 0
-    warned: set[str] = field(default_factory=set)
-    strategy: Strategy | None = None
-    optimizers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
-    loaders: list[weakref.ReferenceType[Any]] = field(default_factory=list)
-    models: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
-    saving: Any = None
+    __slots__ = ("accumulating", "accumulation_steps", "active_loaders", "backward_calls", "loaders", "micro_step",
+                 "models", "optimizers", "saving", "strategy", "sync_gradients", "warned")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.micro_step = 0
+        self.sync_gradients = True
+        self.active_loaders: list[Any] = []
+        self.accumulation_steps = 1
+        self.accumulating = 0
+        self.backward_calls = 0
+        self.warned: set[str] = set()
+        self.strategy: Strategy | None = None
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.loaders: list[weakref.ReferenceType[Any]] = []
+        self.models: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.saving: Any = None
 
 
 class Now(NamedTuple):
@@ -123,7 +146,6 @@ class Now(NamedTuple):
 NOWHERE = Now("", 0, False, 0.0, 0, 0, "")
 
 
-@dataclass
 class GroupState:
     """What belongs to the process group accelkit formed, and goes with it (reset in place: one
     object for the life of the process, ``_state.group``, read by the collectives).
@@ -135,23 +157,31 @@ class GroupState:
       and ``previous_agreement`` the key prefix of the last one, deleted after the next.
     """
 
-    prefix: str = "accelkit"
-    agreements: int = 0
-    previous_agreement: str = ""
-    # Collectives (see collectives/_checked.py). Every rank updates these alike, from what all ranks sent.
-    seq: int = 0  # accelkit collectives begun on this group: the number of the current or last one
-    key: int = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
-    plans: dict[int, Any] = field(default_factory=dict)  # what every rank sends at a point (collectives/_plan)
-    direct: Any = None  # the default group's backend and its options, called directly (collectives/_exchange)
-    pending: Any = None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
-    checkpoint_group: Any = None  # the gloo group background saves agree over (checkpoint/_async), made on first use
-    meetings: dict[str, int] = field(default_factory=dict)  # _group.meet's count of each step's meetings
-    closed: str = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
-    # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
-    now: Now = field(default_factory=lambda: NOWHERE)
-    store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
-    board: str = ""  # the key prefix of positions and reports in that store (see _group)
-    heartbeat: Any = None  # the heartbeat thread (see _group)
+    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "direct", "heartbeat", "key", "meetings", "now",
+                 "pending", "plans", "prefix", "previous_agreement", "seq", "store")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.prefix = "accelkit"
+        self.agreements = 0
+        self.previous_agreement = ""
+        # Collectives (see collectives/_checked.py). Every rank updates these alike, from what all ranks sent.
+        self.seq = 0  # accelkit collectives begun on this group: the number of the current or last one
+        self.key = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
+        self.plans: dict[int, Any] = {}  # what every rank sends at a point (collectives/_plan)
+        self.direct: Any = None  # the default group's backend and its options, called directly (collectives/_exchange)
+        self.pending: Any = (
+            None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
+        )
+        self.checkpoint_group: Any = (
+            None  # the gloo group background saves agree over (checkpoint/_async), made on first use
+        )
+        self.meetings: dict[str, int] = {}  # _group.meet's count of each step's meetings
+        self.closed = ""  # why this rank closed the group (ranks out of step after a broadcast), or ""
+        # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
+        self.now = NOWHERE
+        self.store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
+        self.board = ""  # the key prefix of positions and reports in that store (see _group)
+        self.heartbeat: Any = None  # the heartbeat thread (see _group)
 
     def restart_collectives(self) -> None:
         """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""

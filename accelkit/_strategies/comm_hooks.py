@@ -13,8 +13,7 @@ import functools
 import inspect
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._options import COMM_HOOKS, COMM_WRAPPERS, Options, is_int, suggest
 from ..errors import ConfigurationError
@@ -42,13 +41,12 @@ _POWER_SGD_OPTIONS: dict[str, tuple[str, float]] = {
 }
 
 
-@dataclass(frozen=True)
-class CommHook:
+class CommHook(NamedTuple):
     """A validated hook to register on each DDP model: a named one (with its options) or the user's (with its state)."""
 
     hook: str | Callable[..., Any]
-    wrapper: str = "no"
-    options: Mapping[str, Any] = field(default_factory=dict)
+    wrapper: str
+    options: Mapping[str, Any]
     state: Any = None
 
     def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:

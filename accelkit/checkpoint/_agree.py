@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from .. import _state, collectives
 from ..errors import CheckpointError
@@ -27,8 +26,7 @@ def exchange_on(group: Any) -> Exchange:
     return functools.partial(collectives.exchange_objects, group=group)
 
 
-@dataclass(frozen=True)
-class Agreement:
+class Agreement(NamedTuple):
     """Runs checkpoint steps on every rank of ``call`` and shares their outcome (``exchange`` None: one process)."""
 
     call: str

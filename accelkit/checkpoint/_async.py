@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -92,7 +91,7 @@ def start(job: _save.Job) -> None:
     contents, staging = job.contents, None
     try:
         staged: Any = saving.stager.stage({"plain": contents.plain, "sharded": contents.sharded})  # a dict: blocking
-        job = replace(job, contents=replace(contents, plain=staged["plain"], sharded=staged["sharded"]))
+        job = job._replace(contents=contents._replace(plain=staged["plain"], sharded=staged["sharded"]))
     except Exception as exc:  # out of host memory: the ranks still agree, in the background, that nothing is saved
         staging = exc
     group = _group() if st.distributed else None

@@ -10,7 +10,6 @@ objects, in the order given: DCP reads the verified shards straight into their t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import mmap
 import os
@@ -19,7 +18,7 @@ import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from torch import nn
 
@@ -35,8 +34,7 @@ T = TypeVar("T")
 _PIECE = 16 << 20  # bytes checksummed at a time: the verifying threads share a file's pieces
 
 
-@dataclasses.dataclass
-class Loaded:
+class Loaded(NamedTuple):
     body: dict[str, Any]  # the manifest
     states: dict[str, Any]  # name -> state read from NAME.pt (a module's mapped from the file, others copied)
     mine: _rank_state.RankState | None  # this rank's RNG/scaler/loader state, None when it does not apply
@@ -231,7 +229,7 @@ def _mine(
                 f"cannot be restored: pip install numpy, or pass strict=False to load everything else"
             )
         _skipped(path, st, f"NumPy's random state in {path / rank_file} (numpy cannot be imported here)")
-        mine = dataclasses.replace(mine, numpy=None)
+        mine = mine._replace(numpy=None)
     return mine
 
 

@@ -12,8 +12,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,8 +25,7 @@ __all__ = ["Contents", "collect", "owners", "unwrapped"]
 _PLAIN_LEAVES = (str, int, float, bool, type(None))
 
 
-@dataclass
-class Contents:
+class Contents(NamedTuple):
     """The state to write, by file: every tensor in it may be replaced by a staged copy."""
 
     plain: dict[str, Any]  # NAME.pt, written by the main process (empty on the others for full states)

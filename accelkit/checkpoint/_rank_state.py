@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import base64
 import random
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -68,8 +67,7 @@ def capture() -> dict[str, Any]:
     return out
 
 
-@dataclass(frozen=True)
-class RankState:
+class RankState(NamedTuple):
     python: tuple[Any, ...]
     numpy: tuple[Any, ...] | None
     cpu: torch.Tensor

@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _group, _safe_io, _state
 from . import _commit, _files, _manifest, _rank_state, _sharded
@@ -26,8 +25,7 @@ __all__ = ["VALUES", "Job", "begin", "write"]
 VALUES = "tensor-values.pt"  # object files are NAME.pt with NAME an identifier: no clash
 
 
-@dataclass
-class Job:
+class Job(NamedTuple):
     """Everything a save needs once ``save_state`` has returned (the contents may be staged copies)."""
 
     call: str

@@ -15,7 +15,6 @@ import shlex
 import sys
 import traceback
 import warnings
-from dataclasses import replace
 
 from .._options import DEFAULT_RDZV_TIMEOUT, DEFAULT_TIMEOUT, PRECISIONS, RDZV_BACKENDS, STRATEGIES, TRACKERS
 from ..config import config_in_effect
@@ -232,7 +231,7 @@ def _run_agent(plan: LaunchPlan, script: Script) -> int:
     from ..launcher import Command, report_stop, run_workers
 
     debug = bool(plan.options.get("debug"))
-    settings = replace(plan.launch, num_processes=plan.local_processes())
+    settings = plan.launch._replace(num_processes=plan.local_processes())
     print_warnings(settings.num_processes or 1)
     if debug:  # said on every launch, it was noise; `accelkit env` shows it too
         timeout = plan.options.get("timeout", DEFAULT_TIMEOUT)

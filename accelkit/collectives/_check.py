@@ -18,8 +18,7 @@ memory without blocking, and read at the rank's next collective, barrier or ``ak
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,8 +91,7 @@ def headers_agree_on_device(
     return (theirs == mine[:AGREE]).all()
 
 
-@dataclass
-class Deferred:
+class Deferred(NamedTuple):
     """A verdict computed on the device, on its way to the host; read at the next collective.
 
     ``flag`` is pinned host memory the device writes (True: every rank agreed), ``event`` marks the

@@ -28,8 +28,7 @@ it, an all-reduce, cost up to twice the broadcast on gloo).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,8 +42,7 @@ _MAX_PLANS = 1024  # points; beyond, every rank forgets them all alike
 _ALTERNATIVES = 8  # calls remembered per point; beyond, the one agreed least often goes
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """The message every rank sends at one point of the program."""
 
     fingerprint: int  # the call it was made from

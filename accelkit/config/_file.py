@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .. import _env, _safe_io
 from .._options import COMM_HOOKS, COMM_WRAPPERS, DIST_BACKENDS, PRECISIONS, RDZV_BACKENDS, STRATEGIES, Options
@@ -28,8 +27,7 @@ _LAUNCH_NAMES = {file: name for name, file in FILE_NAMES.items()}  # file key ->
 _ACCELERATE_MARKERS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "machine_rank"}
 
 
-@dataclass(frozen=True)
-class ConfigFile:
+class ConfigFile(NamedTuple):
     """A config file, read and validated.
 
     ``state`` holds process-state options (``Options`` names); ``launch`` holds launch
@@ -42,9 +40,9 @@ class ConfigFile:
     kind: Kind
     state: dict[str, object]
     launch: dict[str, object]
-    ignored: tuple[str, ...] = ()
-    lines: dict[str, int] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
+    ignored: tuple[str, ...]
+    lines: dict[str, int]
+    notes: dict[str, str]
 
     def ignored_message(self) -> str | None:
         """One line about the ignored keys (to print once), or ``None`` when there are none."""

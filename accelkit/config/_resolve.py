@@ -8,8 +8,7 @@ everywhere; :class:`Resolved` also says where each value came from, for messages
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 from .. import _env, _frames
 from .._options import LaunchSettings, Options, env_overrides, validate
@@ -20,8 +19,7 @@ Source = Literal["code", "flag", "environment", "config", "default"]
 _IN_EFFECT: Any = object()  # the config file in effect (ACCELKIT_CONFIG_FILE, else the default path)
 
 
-@dataclass(frozen=True)
-class Resolved:
+class Resolved(NamedTuple):
     """Settings with their sources: ``sources[name]`` for every state option and launch setting."""
 
     options: Options
@@ -74,8 +72,8 @@ def resolve(
     state = {k: v for k, v in merged.items() if k in Options.names()}
     launch = {k: v for k, v in merged.items() if k in LaunchSettings.names()}
     return Resolved(
-        replace(Options(), **cast("dict[str, Any]", state)),
-        replace(LaunchSettings(), **cast("dict[str, Any]", launch)),
+        Options()._replace(**cast("dict[str, Any]", state)),
+        LaunchSettings()._replace(**cast("dict[str, Any]", launch)),
         sources,
     )
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from dataclasses import replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -116,7 +115,7 @@ def _prepare_map(
     if follow:
         state = _shared_state(used, st)  # every rank continues rank 0's generator
         order_gen.set_state(state)
-        plan = replace(plan, follow=True, draws_seed=loader.generator is used)
+        plan = plan._replace(follow=True, draws_seed=loader.generator is used)
         seed = _base_seed(torch.Generator().set_state(state), st)
     else:
         seed = data_seed if data_seed is not None else _base_seed(used or loader.generator, st)

@@ -19,9 +19,8 @@ from __future__ import annotations
 import base64
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -53,8 +52,7 @@ class ActiveLoader:
         self.ragged = ragged
 
 
-@dataclass(frozen=True)
-class LoaderPlan:
+class LoaderPlan(NamedTuple):
     """How a prepared loader shards, orders and moves its batches (fixed at prepare time)."""
 
     shard: ShardedBatchSampler | ShardedIterable[Any]

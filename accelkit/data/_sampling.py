@@ -19,9 +19,8 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sized
-from dataclasses import dataclass
 from itertools import cycle, islice
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from torch.utils.data import IterableDataset, Sampler
 
@@ -46,8 +45,7 @@ class EpochRecord:
         self.global_size = 0
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Rank ``rank`` of ``world`` takes ``size`` units of each round of ``world * size``."""
 
     rank: int

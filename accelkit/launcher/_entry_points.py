@@ -6,7 +6,6 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast, overload
 
 import wrapt
@@ -133,14 +132,14 @@ def _call(
     call = "accelkit.launch" if direct is None else "accelkit.distributed"
     given = {**_parent_options(given, call), **given}
     plan = plan_launch(given, call=call)
-    settings = replace(plan.launch, num_processes=plan.local_processes())
+    settings = plan.launch._replace(num_processes=plan.local_processes())
     if settings.num_processes == 1 and settings.num_nodes == 1:
         state_options = {k: v for k, v in given.items() if k in Options.names()}
         _state.configure(state_options, f"{call} at {_frames.call_site()}")
         return run(*args, **kwargs)
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         _missing_main_guard(fn)
-    settings = replace(settings, start_method=settings.start_method or _default_start_method())
+    settings = settings._replace(start_method=settings.start_method or _default_start_method())
     if settings.start_method == "fork":
         from ._notebook import refuse_unsafe_fork
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .. import _env
 from .._options import LaunchSettings
@@ -33,8 +32,7 @@ _FILE_KEYS = {"master_addr": "main_process_ip", "master_port": "main_process_por
 _ACCELERATE_KEYS = {"num_nodes": "num_machines", "node_rank": "machine_rank"}
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
+class LaunchPlan(NamedTuple):
     """What a launch starts: the settings merged and checked, with where each came from."""
 
     call: str  # who launches, for messages: "accelkit launch", "accelkit.launch", "accelkit.distributed"

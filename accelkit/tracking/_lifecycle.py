@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 from .._state import this_process
@@ -18,7 +17,6 @@ from .._state import this_process
 __all__ = ["TrackingState", "current_tracking", "end_trackers", "start_tracking"]
 
 
-@dataclass
 class TrackingState:
     """The experiment trackers of this process (``ak.init_trackers``); ended with the process state.
 
@@ -29,12 +27,17 @@ class TrackingState:
     - ``pid``: the process that started them; a forked child never writes to its parent's files.
     """
 
-    started: bool = False
-    is_main: bool = False
-    trackers: dict[str, Any] = field(default_factory=dict)
-    directory: str = ""
-    step: int = -1
-    pid: int = field(default_factory=os.getpid)
+    __slots__ = ("directory", "is_main", "pid", "started", "step", "trackers")
+
+    def __init__(
+        self, started: bool = False, is_main: bool = False, trackers: dict[str, Any] | None = None, directory: str = ""
+    ) -> None:
+        self.started = started
+        self.is_main = is_main
+        self.trackers: dict[str, Any] = {} if trackers is None else trackers
+        self.directory = directory
+        self.step = -1
+        self.pid = os.getpid()
 
     def end(self, failed: bool) -> list[tuple[str, BaseException]]:
         """Flush and close every tracker, each even when another fails; what failed, by name.

@@ -10,9 +10,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .._options import TRACKERS
 
@@ -33,8 +32,7 @@ class Tracker(Protocol):
         """Flush and close; ``failed`` marks the run failed where the tracker keeps a status."""
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     """How to start one tracker: our module, the package it imports (None: the standard library)."""
 
     module: str
