@@ -7,7 +7,9 @@ backend calls differ in size, an abort inside gloo. So before its first collecti
 step meets through the job's store: each rank adds itself to a count, and while the others are
 missing it reads their positions (the heartbeat's); a missing rank that waits in a synchronising
 backward pass will never come, and every rank that got here raises, naming it and where it is.
-A rank that is merely slow is waited for (up to the collective timeout).
+A rank that is merely slow is waited for (up to the collective timeout). A position is as old as
+the rank's last beat, so a rank that left such a pass a moment ago may still read as in it: one
+counts as stuck only once it has read so, unchanged, for ``_SURE`` seconds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = ["SYNCING", "meet"]
 SYNCING = "a forward or backward pass that waits for the other processes"  # published meanwhile
 
 _POLL = 0.05  # seconds between two reads of the count, at first; doubling to 1 s
+_SURE = 3.0  # seconds a missing rank must read as stuck, unchanged: a few beats of a loaded machine
 
 
 def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, timeout: float,
@@ -37,15 +40,19 @@ def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, 
     if store.add(key, 1) >= world:
         return
     deadline, pause = time.monotonic() + timeout, _POLL
+    seen: dict[int, tuple[Position, float]] = {}  # a missing rank read as stuck: how, and since when
     while time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(1.0, 2 * pause)
         if store.add(key, 0) >= world:
             return
+        now = time.monotonic()
         missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
         stuck = {r: p for r, p in read_positions(store, board, world).items() if r in missing and p.doing == doing}
-        if stuck:
-            raise DistributedOperationError(_message(name, rank, stuck))
+        seen = {r: seen[r] if r in seen and seen[r][0] == p else (p, now) for r, p in stuck.items()}
+        sure = {r: p for r, (p, since) in seen.items() if now - since >= _SURE}
+        if sure:
+            raise DistributedOperationError(_message(name, rank, sure))
     # Out of time: the step's own collective names who is missing, as any collective does.
 
 
