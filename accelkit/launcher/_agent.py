@@ -23,7 +23,6 @@ from .. import _env
 from .._options import LaunchSettings
 from ._failures import RestartNotice, collect_failures
 from ._function_worker import command, read_results, worker_main
-from ._lifeline import reaper
 from ._netif import Route, route_to
 from ._nodes import NodeBeat, lost_nodes, nodes_seen
 from ._rendezvous import hosts_c10d_store, network_route, rendezvous_store
@@ -85,9 +84,8 @@ def run_workers(
         with rendezvous_store(config, route) as (addr, port, run_id), _watch_nodes(config, addr, port, run_id) as beat:
             notice = RestartNotice(run_dir, config.max_restarts, tracebacks_shown=isinstance(target, Command))
             launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat, notice)
-            # Spawned workers arm their own lifeline only once they run; forked ones at once.
-            watch = reaper(f"{_env.RUN_DIR}={run_dir}") if start_method != "fork" else contextlib.nullcontext()
-            with _quiet_agent(quiet), watch, _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
+            # Every worker arms its own lifeline first thing (die_with_parent), before it imports anything heavy.
+            with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
                 try:
                     results = launch_agent(launch_config, entrypoint, agent_args)
                     if isinstance(target, Command) or not isinstance(entrypoint, str):
