@@ -7,7 +7,8 @@ a script that calls ``init_process_group("gloo")``, ``all_reduce`` and
 ``destroy_process_group``; the same job as an ``@ak.distributed(num_processes=2,
 cpu=True)`` function that calls ``ak.state()`` (which joins the group) and
 ``torch.distributed.all_reduce``; torch's own ``launch_agent`` running a plain function
-in spawned workers (what accelkit builds on, without accelkit: the floor of its design);
+in spawned workers (multiprocessing's spawn start, which accelkit used before it started its
+function workers as a command, as torchrun does);
 torchrun again, to show the noise of a raw-vs-raw pair; and ``accelkit launch -n 2`` on
 torchrun's script itself (the command line, paired with torchrun on the very same script).
 They run interleaved, the order rotating each round, after one discarded warm-up round;

@@ -6,12 +6,17 @@ import inspect
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from processes import subprocess_env
 
 import accelkit as ak
 from accelkit.errors import WorkerFailure
@@ -229,3 +234,46 @@ def test_fork_start_method_runs_local_functions() -> None:
         return ak.rank() + offset + ak.world_size()
 
     assert ak.launch(local, num_processes=2, cpu=True, start_method="fork") == 7
+
+
+def return_a_lock() -> threading.Lock:
+    return threading.Lock()
+
+
+def test_a_return_value_that_cannot_be_sent_back_is_named() -> None:
+    with pytest.raises(ak.WorkerError) as err:
+        run_distributed(return_a_lock)
+    assert sorted(err.value.ranks) == [0, 1]
+    expected = r"rank [01] failed: TypeError: the return value \(lock\) cannot be sent to the launching process: "
+    assert re.match(expected + "cannot pickle '_thread.lock' object. Return what pickle can send", str(err.value))
+
+
+# A script's own function, launched as spawn launches: its workers import the script as __mp_main__.
+MAIN_SCRIPT = """
+import multiprocessing.resource_tracker
+import sys
+
+import accelkit as ak
+
+
+@ak.distributed(num_processes=2, cpu=True)
+def main(greeting: str) -> tuple[str, str, list[str]]:
+    launcher = ("torch.distributed.elastic", "multiprocessing.queues", "accelkit.launcher._agent")
+    return greeting, __name__, sorted(m for m in sys.modules if m.startswith(launcher))
+
+
+if __name__ == "__main__":
+    print(main("hello"))
+    print("resource tracker", multiprocessing.resource_tracker._resource_tracker._pid)
+"""
+
+
+def test_spawned_workers_start_as_torchrun_starts_them(tmp_path: Path) -> None:
+    # Started as a command: no multiprocessing helper process, none of the agent's modules in the workers.
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(MAIN_SCRIPT))
+    done = subprocess.run(
+        [sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["('hello', '__mp_main__', [])", "resource tracker None"], done.stderr[-3000:]

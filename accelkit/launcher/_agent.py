@@ -16,22 +16,20 @@ import pickle
 import shutil
 import sys
 import tempfile
-import threading
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import _env, _state
+from .. import _env
 from .._options import LaunchSettings
-from ._failures import RestartNotice, collect_failures, record_failure
-from ._lifeline import die_with_parent, reaper
+from ._failures import RestartNotice, collect_failures
+from ._function_worker import command, read_results, worker_main
 from ._netif import Route, route_to
 from ._nodes import NodeBeat, lost_nodes, nodes_seen
 from ._rendezvous import hosts_c10d_store, network_route, rendezvous_store
 from ._spec import Command, FunctionRef, Job
-from ._streams import apply_logging, capture_logging, flush_std_streams, whole_lines_to_notebook
+from ._streams import capture_logging, flush_std_streams
 
-__all__ = ["check_picklable", "run_workers", "worker_main"]
+__all__ = ["check_picklable", "run_workers"]
 
 
 def run_workers(
@@ -74,7 +72,10 @@ def run_workers(
     else:
         setup = capture_logging() if start_method != "fork" else None  # a forked worker has it already
         job = Job(target, args, kwargs, run_dir, env, threads, watchdog, logging=setup, launcher_pid=os.getpid())
-        entrypoint, agent_args = worker_main, [job]
+        if start_method == "spawn":  # started as a command, as torchrun starts its workers (see _function_worker)
+            entrypoint, agent_args = command(job)
+        else:
+            entrypoint, agent_args = worker_main, [job]
     if start_method == "fork":
         flush_std_streams()  # or forked workers print what this process still buffers
     try:
@@ -83,11 +84,13 @@ def run_workers(
         with rendezvous_store(config, route) as (addr, port, run_id), _watch_nodes(config, addr, port, run_id) as beat:
             notice = RestartNotice(run_dir, config.max_restarts, tracebacks_shown=isinstance(target, Command))
             launch_config = _launch_config(config, f"{addr}:{port}", run_id, run_dir, route, beat, notice)
-            # Spawned workers arm their own lifeline only once they run; forked ones at once.
-            watch = reaper(f"{_env.RUN_DIR}={run_dir}") if start_method != "fork" else contextlib.nullcontext()
-            with _quiet_agent(quiet), watch, _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
+            # Every worker arms its own lifeline first thing (die_with_parent), before it imports anything heavy.
+            with _quiet_agent(quiet), _env.patched(worker_env, "TORCHELASTIC_SIGNALS_TO_HANDLE", _env.ATTEMPT):
                 try:
-                    return launch_agent(launch_config, entrypoint, agent_args)
+                    results = launch_agent(launch_config, entrypoint, agent_args)
+                    if isinstance(target, Command) or not isinstance(entrypoint, str):
+                        return results
+                    return read_results(run_dir, sorted(results))
                 except ChildFailedError as exc:
                     cause = lost_nodes(addr, port, run_id, config.num_nodes, config.node_rank) if beat else ""
                     raise collect_failures(run_dir, exc.failures, cause) from None
@@ -188,36 +191,6 @@ def _launch_config(
     )
 
 
-def worker_main(job: Job) -> Any:
-    """The entry point of every worker process."""
-    die_with_parent(job.launcher_pid)  # a launcher killed with SIGKILL takes its workers along
-    os.environ.update(job.env)
-    whole_lines_to_notebook()
-    if job.logging is not None:
-        apply_logging(job.logging)
-    if job.threads:
-        import torch
-
-        torch.set_num_threads(job.threads)
-    timer = _start_watchdog(job) if job.watchdog else None
-    try:
-        fn = job.target.resolve() if isinstance(job.target, FunctionRef) else job.target
-        return fn(*job.args, **job.kwargs)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            record_failure(job.run_dir, exc)
-            _state.this_process.end_tracking(failed=True)
-        raise
-    except BaseException as exc:
-        record_failure(job.run_dir, exc)
-        _state.this_process.end_tracking(failed=True)  # what was logged stays readable, and the run is marked failed
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-        _state.reset_state()
-
-
 def check_picklable(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], start_method: str) -> None:
     """A clear error, before any process starts, for what a spawned worker cannot import."""
     name = getattr(target, "__qualname__", repr(target))
@@ -234,23 +207,6 @@ def check_picklable(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
             f"cannot send {name!r} and its arguments to {start_method!r} workers: {exc}. "
             f"Use a module-level function and picklable arguments, or start_method='fork'."
         ) from exc
-
-
-def _start_watchdog(job: Job) -> threading.Timer:
-    main = threading.main_thread()
-
-    def expire() -> None:
-        frame = sys._current_frames().get(main.ident or -1)
-        where = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        rank = _env.read_int("RANK") or 0
-        exc = TimeoutError(f"rank {rank} did not finish within {job.watchdog:g} s")
-        record_failure(job.run_dir, exc, f"{exc}; it was at:\n{where}")
-        os._exit(70)
-
-    timer = threading.Timer(job.watchdog or 0, expire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 @contextlib.contextmanager

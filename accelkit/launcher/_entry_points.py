@@ -127,6 +127,8 @@ def _call(
     direct: Callable[..., R] | None = None,
 ) -> R:
     run = direct or fn
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        _missing_main_guard(fn)  # a spawned worker runs the main script again: its launch is unguarded
     if _env.detect_launch().launcher != "none":  # a worker: the launcher started the processes
         return run(*args, **kwargs)  # the options arrived as ACCELKIT_* variables, set by the launcher
     call = "accelkit.launch" if direct is None else "accelkit.distributed"
@@ -137,8 +139,6 @@ def _call(
         state_options = {k: v for k, v in given.items() if k in Options.names()}
         _state.configure(state_options, f"{call} at {_frames.call_site()}")
         return run(*args, **kwargs)
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        _missing_main_guard(fn)
     settings = settings._replace(start_method=settings.start_method or _default_start_method())
     if settings.start_method == "fork":
         from ._notebook import refuse_unsafe_fork
