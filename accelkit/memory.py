@@ -39,7 +39,6 @@ from collections.abc import Callable
 from typing import Any, Concatenate, TypeVar, cast, overload
 
 import torch
-import wrapt
 from typing_extensions import ParamSpec
 
 from . import _state
@@ -119,31 +118,37 @@ def free_memory(*objects: object) -> list[None]:
     return [None] * count
 
 
-class _BoundBatchSizeFunction(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
-    """A decorated method: ``self`` (when unbound) comes before the batch size."""
+@functools.cache
+def _batch_size_function() -> Any:
+    """The class of what ``@find_executable_batch_size`` returns (wrapt is imported where one is made)."""
+    import wrapt
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        unbound = self._self_instance is None  # Class.method: the signature still has self
-        return _without_batch_size(inspect.signature(self.__wrapped__), skip=int(unbound))
+    class BoundBatchSizeFunction(wrapt.BoundFunctionWrapper):  # type: ignore[type-arg]
+        """A decorated method: ``self`` (when unbound) comes before the batch size."""
 
-    @property
-    def __func__(self) -> Callable[..., Any]:
-        # inspect.signature sees a method (wrapt proxies __class__): it drops the first
-        # parameter of __func__'s signature, which therefore must be self's.
-        function = functools.partial(cast("Any", self.__wrapped__).__func__)
-        function.__signature__ = _without_batch_size(inspect.signature(function.func), skip=1)  # type: ignore[attr-defined]
-        return function
+        @property
+        def __signature__(self) -> inspect.Signature:
+            unbound = self._self_instance is None  # Class.method: the signature still has self
+            return _without_batch_size(inspect.signature(self.__wrapped__), skip=int(unbound))
 
+        @property
+        def __func__(self) -> Callable[..., Any]:
+            # inspect.signature sees a method (wrapt proxies __class__): it drops the first
+            # parameter of __func__'s signature, which therefore must be self's.
+            function = functools.partial(cast("Any", self.__wrapped__).__func__)
+            function.__signature__ = _without_batch_size(inspect.signature(function.func), skip=1)  # type: ignore[attr-defined]
+            return function
 
-class _BatchSizeFunction(wrapt.FunctionWrapper):  # type: ignore[type-arg]
-    """What ``@find_executable_batch_size`` returns: the function, minus ``batch_size``."""
+    class BatchSizeFunction(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+        """What ``@find_executable_batch_size`` returns: the function, minus ``batch_size``."""
 
-    __bound_function_wrapper__ = _BoundBatchSizeFunction
+        __bound_function_wrapper__ = BoundBatchSizeFunction
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return _without_batch_size(inspect.signature(self.__wrapped__))
+        @property
+        def __signature__(self) -> inspect.Signature:
+            return _without_batch_size(inspect.signature(self.__wrapped__))
+
+    return BatchSizeFunction
 
 
 def _wrap(function: Callable[..., R], start: int) -> Callable[..., R]:
@@ -163,7 +168,7 @@ def _wrap(function: Callable[..., R], start: int) -> Callable[..., R]:
         _check_call(wrapped, args, kwargs)
         return _run(wrapped, start, args, kwargs)
 
-    return cast("Callable[..., R]", _BatchSizeFunction(function, wrapper))
+    return cast("Callable[..., R]", _batch_size_function()(function, wrapper))
 
 
 def _run(fn: Callable[..., R], start: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
-import wrapt
 from typing_extensions import ParamSpec
 
 from . import _state
@@ -129,6 +128,8 @@ def print(*args: Any, **kwargs: Any) -> None:
 def _only_when(decide: Callable[[ProcessState], bool]) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     def wrapper(wrapped: Callable[..., R], instance: Any, args: Any, kwargs: Any) -> R | None:
         return wrapped(*args, **kwargs) if decide(_state.get()) else None
+
+    import wrapt  # where a function is decorated: import accelkit stays without it
 
     return cast("Callable[[Callable[P, R]], Callable[P, R | None]]", wrapt.decorator(wrapper))  # type: ignore[arg-type]
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast, overload
 
-import wrapt
 from typing_extensions import ParamSpec
 
 from .. import _env, _frames, _state
@@ -25,8 +25,16 @@ R = TypeVar("R")
 __all__ = ["distributed", "launch"]
 
 
-class _DistributedFunction(wrapt.FunctionWrapper):  # type: ignore[type-arg]
-    """What ``@ak.distributed`` returns: the function, keeping its signature and name."""
+@functools.cache
+def _distributed_function() -> Any:
+    """The class of what ``@ak.distributed`` returns: the function, keeping its signature and name
+    (wrapt is imported where one is made)."""
+    import wrapt
+
+    class DistributedFunction(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+        pass
+
+    return DistributedFunction
 
 
 @overload
@@ -115,7 +123,7 @@ def _wrap(fn: Callable[P, R], given: dict[str, Any]) -> Callable[P, R]:
         bound: Callable[..., R] = wrapped.__get__(instance)
         return _call(bound, args, kwargs, given, direct=bound)
 
-    proxy = _DistributedFunction(fn, wrapper)
+    proxy = _distributed_function()(fn, wrapper)
     return cast("Callable[P, R]", proxy)
 
 
@@ -153,7 +161,7 @@ def _call(
     from ._spec import FunctionRef
 
     target: Any = (
-        FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _DistributedFunction) else fn
+        FunctionRef(fn.__module__, getattr(fn, "__qualname__", "")) if isinstance(fn, _distributed_function()) else fn
     )
     # Options given here are explicit in every worker: an ak.init there that differs is an error naming both.
     env = plan.worker_env()
