@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import warnings
@@ -71,6 +72,14 @@ def test_read_checkpoint_has_no_side_effect(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match=r"holds no value 'lr'; it holds \['best_val_loss', 'ema',"):
         info["lr"]
     assert dict(ak.read_checkpoint(tmp_path / "a")) == {}
+    with pytest.raises(AttributeError, match=r"CheckpointInfo is read-only .* cannot set 'step'"):
+        info.step = 6  # type: ignore[misc]
+    again = pickle.loads(pickle.dumps(info))  # sent to other processes as any record
+    assert again.step == 5 and again.path == info.path
+    assert_same(dict(again), values())
+    plain = ak.read_checkpoint(tmp_path / "a")
+    assert pickle.loads(pickle.dumps(plain)) == plain != info
+    assert repr(info).startswith("CheckpointInfo(path=") and "model_args" not in repr(info), "values: by key only"
 
 
 def test_read_checkpoint_checks_what_it_reads(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,9 @@ from ._save import VALUES
 __all__ = ["CheckpointInfo", "read_checkpoint"]
 
 
-@dataclass(frozen=True)
+_FIELDS = ("path", "step", "world_size", "objects", "sharded", "full", "created_ns", "versions", "_values")
+
+
 class CheckpointInfo(Mapping[str, Any]):
     """A committed checkpoint's saved values (read it as a dict of them) and its manifest.
 
@@ -33,6 +34,7 @@ class CheckpointInfo(Mapping[str, Any]):
         versions: the accelkit, torch and Python versions that saved it.
     """
 
+    __slots__ = _FIELDS
     path: Path
     step: int | None
     world_size: int
@@ -41,7 +43,37 @@ class CheckpointInfo(Mapping[str, Any]):
     full: list[str]
     created_ns: int
     versions: dict[str, str]
-    _values: dict[str, Any] = field(repr=False)
+    _values: dict[str, Any]
+
+    # A plain read-only class, not a frozen dataclass: building one of those cost ~1 ms of every import.
+    def __init__(self, path: Path, step: int | None, world_size: int, objects: list[str], sharded: list[str],
+                 full: list[str], created_ns: int, versions: dict[str, str], values: dict[str, Any],
+                 ) -> None:  # fmt: skip
+        given = (path, step, world_size, objects, sharded, full, created_ns, versions, values)
+        for name, value in zip(_FIELDS, given, strict=True):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"CheckpointInfo is read-only (it describes a committed checkpoint); cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(
+            f"CheckpointInfo is read-only (it describes a committed checkpoint); cannot delete {name!r}"
+        )
+
+    def __reduce__(self) -> tuple[type[CheckpointInfo], tuple[Any, ...]]:
+        return CheckpointInfo, tuple(getattr(self, name) for name in _FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not CheckpointInfo:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # its lists and dicts are not hashable
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in _FIELDS[:-1])
+        return f"CheckpointInfo({shown})"
 
     def __getitem__(self, name: str) -> Any:
         try:
@@ -92,5 +124,5 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
         full=list(body["full"]),
         created_ns=created if isinstance(created, int) else 0,
         versions={k: str(body.get(k)) for k in ("accelkit", "torch", "python")},
-        _values={**body["values"], **_load.tensor_values(path, body)},
+        values={**body["values"], **_load.tensor_values(path, body)},
     )
