@@ -106,6 +106,40 @@ def test_backward_divides_by_the_accumulation_steps() -> None:
     assert w.grad.item() == 10.0
 
 
+def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step path calls a plain strategy's loss and optimizer itself; one with its own step, always."""
+    from accelkit import _state
+    from accelkit._strategies.single import SingleProcess
+
+    calls: list[tuple[str, bool]] = []
+
+    class OwnStep(SingleProcess):
+        def backward(self, loss: torch.Tensor, *, divide_by: int, boundary: bool, **kwargs: Any) -> None:
+            calls.append((f"backward / {divide_by}", boundary))
+            super().backward(loss, divide_by=divide_by, boundary=boundary, **kwargs)
+
+        def optimizer_step(self, optimizer: Any, closure: Any, *, boundary: bool) -> Any:
+            calls.append(("step", boundary))
+            return super().optimizer_step(optimizer, closure, boundary=boundary)
+
+        def zero_grad(self, optimizer: Any, set_to_none: bool, *, boundary: bool) -> None:
+            calls.append(("zero_grad", boundary))
+            super().zero_grad(optimizer, set_to_none, boundary=boundary)
+
+    assert SingleProcess.plain_step and not OwnStep.plain_step
+    model = make_model()
+    model, opt = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    st = ak.state()
+    monkeypatch.setattr(_state.training, "strategy", OwnStep(st.options, st.device))
+    for _ in range(2):
+        with ak.accumulate(model, steps=2):
+            ak.backward(model(torch.ones(2, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+    steps = [("backward / 2", False), ("step", False), ("zero_grad", False)]
+    assert calls == steps + [(name, True) for name, _ in steps]
+
+
 def fp16_setup() -> tuple[nn.Module, Any, Any]:
     ak.init(precision="fp16")
     model = nn.Sequential(nn.Linear(2, 1, bias=False))

@@ -71,23 +71,18 @@ class Layout(NamedTuple):
         return full * self.size + min(self.size, max(0, rest - self.rank * self.size))
 
 
-def _rounds(units: Iterator[T], layout: Layout) -> Iterator[tuple[list[T], int]]:
-    """Each round of ``units``, with how many of its units are real (not padding)."""
+def _final_round(chunk: list[T], head: list[T], layout: Layout) -> tuple[list[T], int] | None:
+    """The round after the last complete one, from its ``chunk`` of units: completed from ``head``
+    (the epoch's first round) when ``even``, and how many of its units are real; None when none is left."""
     size = layout.world * layout.size
-    head: list[T] | None = None
-    while True:
-        chunk = list(islice(units, size))
-        if head is None:
-            head = chunk
-        if len(chunk) == size:
-            yield chunk, size
-            continue
-        if chunk and not layout.drop_last:
-            real = len(chunk)
-            if layout.even:
-                chunk = chunk + list(islice(cycle(head), size - real))
-            yield chunk, real
-        return
+    real = len(chunk)
+    if real == size:
+        return chunk, size
+    if not chunk or layout.drop_last or (not layout.even and real <= layout.rank * layout.size):
+        return None  # nothing left, or nothing left for this rank
+    if layout.even:
+        chunk = chunk + list(islice(cycle(head), size - real))
+    return chunk, real
 
 
 def slice_rounds(
@@ -101,17 +96,19 @@ def slice_rounds(
 
     The rounds are read one ahead, so that ``record`` is complete before the last slice
     is yielded. ``count`` turns units into samples for the record (``len`` for indices;
-    the summed batch sizes when the units are batches).
+    the summed batch sizes when the units are batches). One generator: it runs once per batch.
     """
+    size = layout.world * layout.size
     lo, hi = layout.rank * layout.size, (layout.rank + 1) * layout.size
-    rounds = _rounds(units, layout)
-    if not (layout.even or layout.drop_last):  # the only rounds that may be too short for this rank
-        rounds = (r for r in rounds if len(r[0]) > lo)  # (a generator less per batch otherwise)
-    current = next(rounds, None)
+    head = list(islice(units, size))
+    current = _final_round(head, head, layout)
     n = 0
     while current is not None:
-        following = next(rounds, None)
         chunk, real = current
+        following = None
+        if real == size:  # a complete round: another may follow
+            more = list(islice(units, size))
+            following = (more, size) if len(more) == size else _final_round(more, head, layout)
         n += 1
         if following is None:
             record.padding, record.global_size = count(chunk[real:]), count(chunk)

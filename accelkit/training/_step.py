@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import _frames, _state
 from .._options import is_int
+from .._strategies import Strategy
 from . import _waits
 from ._precision import MixedPrecisionModule
 
@@ -48,38 +49,52 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         strategy = training.strategy
         steps = (strategy.options if strategy is not None else _state.get().options).gradient_accumulation_steps
         if steps > 1:
-            _warn_once_outside_accumulate(steps)
+            _warn_once("outside accumulate", _OUTSIDE_ACCUMULATE, steps=steps)
     training.backward_calls += 1
     strategy = training.strategy or _state.strategy()
+    sync = training.sync_gradients
     group = _state.group
-    if not training.sync_gradients or group.heartbeat is None:
-        strategy.backward(loss, divide_by=training.accumulation_steps, boundary=training.sync_gradients, **kwargs)
-        return
-    # Other ranks that wait for this one can tell where it is (_group.meet); inline, as _state.doing is 3 calls.
-    before, marked = _waits.marks
-    if group.now is not before:
-        before, marked = _waits.mark(group.now)
-    group.now = marked
+    marked = None
+    if sync and group.heartbeat is not None:
+        # Other ranks that wait for this one can tell where it is (_group.meet); inline, as _state.doing is 3 calls.
+        before, marked = _waits.marks
+        if group.now is not before:
+            before, marked = _waits.mark(group.now)
+        group.now = marked
     try:
-        strategy.backward(loss, divide_by=training.accumulation_steps, boundary=True, **kwargs)
+        steps = training.accumulation_steps
+        if strategy.plain_step and strategy.scaler is None and not kwargs:  # the strategy's backward, inline
+            (loss / steps if steps > 1 else loss).backward()  # type: ignore[no-untyped-call]
+        else:
+            strategy.backward(loss, divide_by=steps, boundary=sync, **kwargs)
     finally:  # a collective may have replaced the snapshot meanwhile
-        group.now = before if group.now is marked else group.now._replace(doing="")
+        if marked is not None:
+            group.now = before if group.now is marked else group.now._replace(doing="")
 
 
-def _warn_once_outside_accumulate(steps: int) -> None:
+_OUTSIDE_ACCUMULATE = (
+    "ak.backward(loss) outside ak.accumulate, with gradient_accumulation_steps={steps}: the loss is not "
+    "divided by {steps} (only ak.accumulate divides it, and it decides when gradients are synchronised and "
+    "the optimizer steps), so gradients accumulated over {steps} backward calls are {steps}x those of "
+    "Accelerate's accelerator.backward. Put each micro-step in `with ak.accumulate(model):`; or, "
+    "accumulating by hand, divide the loss yourself and set gradient_accumulation_steps=1"
+)
+_SEVERAL_BACKWARDS = (
+    "ak.accumulate(model) saw {calls} ak.backward calls in one region, with steps=1 "
+    "(gradient_accumulation_steps left at 1): each synchronised the gradients, and they add up undivided "
+    "({calls}x those of one micro-step). For {calls} micro-steps per optimizer step, give each its own "
+    "region and the count: `for _ in range({calls}): with ak.accumulate(model, steps={calls}): "
+    "ak.backward(loss)`, then clip and optimizer.step() after the loop. If several backward calls per "
+    "step are meant (several losses), say so with steps=1"
+)
+
+
+def _warn_once(key: str, message: str, **values: int) -> None:
+    """``message`` filled with ``values``, as a UserWarning at the user's call, once per run per ``key``."""
     warned = _state.training.warned
-    if "outside accumulate" in warned:
-        return
-    warned.add("outside accumulate")
-    warnings.warn(
-        f"ak.backward(loss) outside ak.accumulate, with gradient_accumulation_steps={steps}: the loss is not "
-        f"divided by {steps} (only ak.accumulate divides it, and it decides when gradients are synchronised and "
-        f"the optimizer steps), so gradients accumulated over {steps} backward calls are {steps}x those of "
-        f"Accelerate's accelerator.backward. Put each micro-step in `with ak.accumulate(model):`; or, "
-        f"accumulating by hand, divide the loss yourself and set gradient_accumulation_steps=1",
-        UserWarning,
-        stacklevel=3,
-    )
+    if key not in warned:
+        warned.add(key)
+        warnings.warn(message.format(**values), UserWarning, stacklevel=3)
 
 
 class accumulate(contextlib.ContextDecorator):
@@ -105,73 +120,76 @@ class accumulate(contextlib.ContextDecorator):
         False
     """
 
+    __slots__ = ("_backwards", "_outer", "_steps", "_sync_off", "models", "steps")
+
     def __init__(self, *models: nn.Module, steps: int | None = None) -> None:
-        if steps is not None and (not is_int(steps) or steps < 1):
+        if steps is not None and (type(steps) is not int or steps < 1) and not (is_int(steps) and steps >= 1):
             raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
         self.models = models
         self.steps = steps
-        # On entry: the training state entered, its steps before, these steps, ak.backward calls so
-        # far, and the no-sync regions entered (one attribute: set once per step).
-        self._entered: tuple[_state.TrainingState, int, int, int, list[Any]] | None = None
+        # Set on entry: the steps in force, those of the region outside (0: not entered), the
+        # ak.backward calls so far, the no-sync regions entered (None: none).
+        self._steps = self._outer = self._backwards = 0
+        self._sync_off: list[Any] | None = None
 
     def __enter__(self) -> None:
         training = _state.training
         strategy = training.strategy  # None: no state yet, or one built by hand
-        options = strategy.options if strategy is not None else _state.get().options
-        steps = options.gradient_accumulation_steps if self.steps is None else self.steps
+        steps = self.steps
+        if steps is None:
+            steps = (strategy.options if strategy is not None else _state.get().options).gradient_accumulation_steps
         if steps > 1 and "step watch" not in _state.hooks:
             _state.this_process.once("step watch", _watch_steps)
-        training.micro_step += 1
         loaders = training.active_loaders
-        at_end = bool(loaders) and loaders[-1].at_last_batch
-        training.sync_gradients = sync = training.micro_step % steps == 0 or at_end
-        if at_end:
+        if loaders and loaders[-1].at_last_batch:
             training.micro_step = 0  # the next epoch starts a fresh cycle
-        sync_off: list[Any] = []
-        self._entered = (training, training.accumulation_steps, steps, training.backward_calls, sync_off)
+            training.sync_gradients = sync = True
+        else:
+            training.micro_step = micro = training.micro_step + 1
+            training.sync_gradients = sync = micro % steps == 0
+        self._steps, self._outer, self._backwards = steps, training.accumulation_steps, training.backward_calls
         training.accumulation_steps = steps
         training.accumulating += 1
-        if not sync and not options.sync_each_batch:
-            try:
-                strategy = strategy or _state.strategy()
-                for model in self.models:
-                    if isinstance(model, MixedPrecisionModule):
-                        model = model.forward_module
-                    region = strategy.no_sync(model)
-                    region.__enter__()
-                    sync_off.append(region)
-            except BaseException:
-                self.__exit__(*sys.exc_info())
-                raise
+        if not sync and not (strategy.options if strategy is not None else _state.get().options).sync_each_batch:
+            self._sync_off = self._stop_syncing(strategy)
 
-    def __exit__(self, *exc: Any) -> None:
-        assert self._entered is not None, "accumulate.__exit__ without __enter__"
-        training, outer, steps, backwards, sync_off = self._entered
+    def _stop_syncing(self, strategy: Strategy | None) -> list[Any]:
+        """Enter each model's no-sync region; those entered (left again, with the region, on an error)."""
+        sync_off: list[Any] = []
         try:
-            while sync_off:
-                sync_off.pop().__exit__(*exc)
-        finally:
-            training.accumulation_steps = outer
+            strategy = strategy or _state.strategy()
+            for model in self.models:
+                if isinstance(model, MixedPrecisionModule):
+                    model = model.forward_module
+                region = strategy.no_sync(model)
+                region.__enter__()
+                sync_off.append(region)
+        except BaseException:
+            self._sync_off = sync_off
+            self.__exit__(*sys.exc_info())
+            raise
+        return sync_off
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        steps = self._steps
+        assert steps, "accumulate.__exit__ without __enter__"
+        training = _state.training
+        sync_off = self._sync_off
+        if sync_off is None:
+            training.accumulation_steps = self._outer
             training.accumulating -= 1
-        if steps == 1 and self.steps is None and training.backward_calls - backwards > 1 and exc[0] is None:
-            _warn_once_several_backwards(training.backward_calls - backwards)
-
-
-def _warn_once_several_backwards(calls: int) -> None:
-    warned = _state.training.warned
-    if "several backwards" in warned:
-        return
-    warned.add("several backwards")
-    warnings.warn(
-        f"ak.accumulate(model) saw {calls} ak.backward calls in one region, with steps=1 "
-        f"(gradient_accumulation_steps left at 1): each synchronised the gradients, and they add up undivided "
-        f"({calls}x those of one micro-step). For {calls} micro-steps per optimizer step, give each its own "
-        f"region and the count: `for _ in range({calls}): with ak.accumulate(model, steps={calls}): "
-        f"ak.backward(loss)`, then clip and optimizer.step() after the loop. If several backward calls per "
-        f"step are meant (several losses), say so with steps=1",
-        UserWarning,
-        stacklevel=3,
-    )
+        else:
+            self._sync_off = None
+            try:
+                while sync_off:
+                    sync_off.pop().__exit__(kind, value, traceback)
+            finally:
+                training.accumulation_steps = self._outer
+                training.accumulating -= 1
+        if steps == 1 and self.steps is None and kind is None:
+            calls = training.backward_calls - self._backwards
+            if calls > 1:
+                _warn_once("several backwards", _SEVERAL_BACKWARDS, calls=calls)
 
 
 def _watch_steps() -> Any:
