@@ -236,6 +236,15 @@ def test_fork_start_method_runs_local_functions() -> None:
     assert ak.launch(local, num_processes=2, cpu=True, start_method="fork") == 7
 
 
+def world_and_rank() -> int:
+    return ak.world_size() * 10 + ak.rank()
+
+
+def test_forkserver_starts_workers_as_spawn_does() -> None:
+    # Workers of a forkserver are its children, not the launcher's: they used to exit at once (code 137).
+    assert ak.launch(world_and_rank, num_processes=2, cpu=True, start_method="forkserver") == 20
+
+
 def return_a_lock() -> threading.Lock:
     return threading.Lock()
 

@@ -72,10 +72,11 @@ def run_workers(
     else:
         setup = capture_logging() if start_method != "fork" else None  # a forked worker has it already
         job = Job(target, args, kwargs, run_dir, env, threads, watchdog, logging=setup, launcher_pid=os.getpid())
-        if start_method == "spawn":  # started as a command, as torchrun starts its workers (see _function_worker)
-            entrypoint, agent_args = command(job)
-        else:
+        if start_method == "fork":
             entrypoint, agent_args = worker_main, [job]
+        else:  # spawn, forkserver: a fresh interpreter, started as a command as torchrun starts its workers
+            # (see _function_worker); a forkserver's children are not the launcher's, and exited at once.
+            entrypoint, agent_args = command(job)
     if start_method == "fork":
         flush_std_streams()  # or forked workers print what this process still buffers
     try:
