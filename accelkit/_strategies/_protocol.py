@@ -27,11 +27,6 @@ class Strategy(Protocol):
     name: str
     options: Options  # the process state's options, read on the step path (an attribute, where ak.state() is a call)
     owns_schedulers: bool  # the strategy steps LR schedulers itself (their step() does nothing)
-    # True: ``backward``, ``optimizer_step`` and ``zero_grad`` are the plain ones while ``scaler`` is None
-    # (``loss.backward()`` divided by the steps; the optimizer's ``step()`` / ``zero_grad()`` on a boundary,
-    # nothing between): the step path then calls the loss and the optimizer itself, a call less per step.
-    plain_step: bool
-    scaler: Any  # the fp16 gradient scaler, or None
 
     def setup(
         self,

@@ -35,20 +35,11 @@ class StepCalls:
         self.count += 1
 
 
-_STEP_METHODS = ("backward", "optimizer_step", "zero_grad")
-
-
 class SingleProcess:
     """The strategy of a single process, and the default behaviour of every other one."""
 
     name = "single"
     owns_schedulers = False
-    plain_step = True  # backward, optimizer_step and zero_grad below, without a scaler: see Strategy
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # A strategy that runs its own step (DeepSpeed's engine) is not plain.
-        cls.plain_step = all(getattr(cls, name) is getattr(SingleProcess, name) for name in _STEP_METHODS)
 
     def __init__(self, options: Options, device: torch.device) -> None:
         self.options = options

@@ -67,12 +67,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
         strategy = training.strategy or _state.strategy()
-        if strategy.plain_step and strategy.scaler is None:  # the strategy's optimizer_step, inline
-            if not training.sync_gradients:
-                return None
-            loss: float | None = self.optimizer.step(closure)
-            self._skipped = False
-            return loss
         loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=training.sync_gradients)
         if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
             self._skipped = skipped
@@ -81,11 +75,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         training = _state.training
         strategy = training.strategy or _state.strategy()
-        if strategy.plain_step:  # the strategy's zero_grad, inline
-            if training.sync_gradients:
-                self.optimizer.zero_grad(set_to_none=set_to_none)
-        else:
-            strategy.zero_grad(self.optimizer, set_to_none, boundary=training.sync_gradients)
+        strategy.zero_grad(self.optimizer, set_to_none, boundary=training.sync_gradients)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

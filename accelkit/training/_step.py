@@ -62,11 +62,7 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             before, marked = _waits.mark(group.now)
         group.now = marked
     try:
-        steps = training.accumulation_steps
-        if strategy.plain_step and strategy.scaler is None and not kwargs:  # the strategy's backward, inline
-            (loss / steps if steps > 1 else loss).backward()  # type: ignore[no-untyped-call]
-        else:
-            strategy.backward(loss, divide_by=steps, boundary=sync, **kwargs)
+        strategy.backward(loss, divide_by=training.accumulation_steps, boundary=sync, **kwargs)
     finally:  # a collective may have replaced the snapshot meanwhile
         if marked is not None:
             group.now = before if group.now is marked else group.now._replace(doing="")
@@ -123,7 +119,7 @@ class accumulate(contextlib.ContextDecorator):
     __slots__ = ("_backwards", "_outer", "_steps", "_sync_off", "models", "steps")
 
     def __init__(self, *models: nn.Module, steps: int | None = None) -> None:
-        if steps is not None and (type(steps) is not int or steps < 1) and not (is_int(steps) and steps >= 1):
+        if steps is not None and (not is_int(steps) or steps < 1):
             raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
         self.models = models
         self.steps = steps
@@ -174,18 +170,13 @@ class accumulate(contextlib.ContextDecorator):
         steps = self._steps
         assert steps, "accumulate.__exit__ without __enter__"
         training = _state.training
-        sync_off = self._sync_off
-        if sync_off is None:
+        sync_off, self._sync_off = self._sync_off, None
+        try:
+            while sync_off:
+                sync_off.pop().__exit__(kind, value, traceback)
+        finally:
             training.accumulation_steps = self._outer
             training.accumulating -= 1
-        else:
-            self._sync_off = None
-            try:
-                while sync_off:
-                    sync_off.pop().__exit__(kind, value, traceback)
-            finally:
-                training.accumulation_steps = self._outer
-                training.accumulating -= 1
         if steps == 1 and self.steps is None and kind is None:
             calls = training.backward_calls - self._backwards
             if calls > 1:
