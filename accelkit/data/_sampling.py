@@ -71,9 +71,9 @@ class Layout(NamedTuple):
         return full * self.size + min(self.size, max(0, rest - self.rank * self.size))
 
 
-def _final_round(chunk: list[T], head: list[T], layout: Layout) -> tuple[list[T], int] | None:
-    """The round after the last complete one, from its ``chunk`` of units: completed from ``head``
-    (the epoch's first round) when ``even``, and how many of its units are real; None when none is left."""
+def _round(chunk: list[T], head: list[T], layout: Layout) -> tuple[list[T], int] | None:
+    """The next round, from its ``chunk`` of units, and how many of them are real: a short last one is
+    completed from ``head`` (the epoch's first round) when ``even``; None when none is left for this rank."""
     size = layout.world * layout.size
     real = len(chunk)
     if real == size:
@@ -101,14 +101,13 @@ def slice_rounds(
     size = layout.world * layout.size
     lo, hi = layout.rank * layout.size, (layout.rank + 1) * layout.size
     head = list(islice(units, size))
-    current = _final_round(head, head, layout)
+    current = _round(head, head, layout)
     n = 0
     while current is not None:
         chunk, real = current
         following = None
         if real == size:  # a complete round: another may follow
-            more = list(islice(units, size))
-            following = (more, size) if len(more) == size else _final_round(more, head, layout)
+            following = _round(list(islice(units, size)), head, layout)
         n += 1
         if following is None:
             record.padding, record.global_size = count(chunk[real:]), count(chunk)
