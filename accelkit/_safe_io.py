@@ -1,7 +1,7 @@
 """Durable, verifiable files: checksummed fsynced writes, atomic replacement and swaps.
 
-Every byte a checkpoint writes goes through :func:`write_file`, which checksums (CRC-32)
-while writing and fsyncs before returning, or, given a :class:`Flusher`, on a helper thread
+Every byte a checkpoint writes goes through :func:`write_file`, which checksums (``sum64``,
+:mod:`accelkit._checksum`) while writing and fsyncs before returning, or, given a :class:`Flusher`, on a helper thread
 while the next file is written, at the same time as the other fsyncs of the save;
 :func:`check_file` verifies a file against its recorded size and checksum.
 :func:`crash_point` marks the moments tests break into.
@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -34,7 +33,6 @@ __all__ = [
     "HashingWriter",
     "check_file",
     "crash_point",
-    "crc32_combine",
     "fsync_dir",
     "open_hashed",
     "swap",
@@ -42,7 +40,7 @@ __all__ = [
     "write_file",
 ]
 
-FileRecord = dict[str, Any]  # {"size": int, "checksum": "crc32:..."}
+FileRecord = dict[str, Any]  # {"size": int, "checksum": "sum64:..."} ("crc32:..." in older checkpoints)
 
 # Tests set this to raise or to kill the process at a named moment of a save
 # ("before-file:NAME", "mid-file:NAME", "after-file:NAME", "before-manifest", "before-rename", ...).
@@ -106,8 +104,10 @@ class HashingWriter:
     """A file-like object that checksums and counts what passes through it (to a fresh file)."""
 
     def __init__(self, f: IO[bytes], label: str, on_first_write: Callable[[], None] | None = None) -> None:
+        from . import _checksum
+
         self._f, self._label, self._on_first_write = f, label, on_first_write
-        self.crc, self.size, self._started = 0, 0, False
+        self._hash, self.size, self._started = _checksum.Sum64(), 0, False
 
     def write(self, data: Any) -> int:
         first = self._on_first_write
@@ -116,7 +116,8 @@ class HashingWriter:
             first()
         view = memoryview(data).cast("B")
         n = _write(self._f, view)
-        self.crc, self.size = zlib.crc32(view, self.crc), self.size + view.nbytes
+        self._hash.update(view)
+        self.size += view.nbytes
         if not self._started:
             self._started = True
             self._f.flush()  # so that a crash here really leaves a partial file
@@ -140,11 +141,7 @@ class HashingWriter:
         self._f.flush()
 
     def record(self) -> FileRecord:
-        return {"size": self.size, "checksum": checksum(self.crc)}
-
-
-def checksum(crc: int) -> str:
-    return f"crc32:{crc:08x}"
+        return {"size": self.size, "checksum": self._hash.hexdigest()}
 
 
 def write_file(
@@ -246,14 +243,18 @@ def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: 
 
 def check_file(path: Path, record: FileRecord) -> str | None:
     """What is wrong with ``path`` against its manifest ``record``, or None if nothing."""
+    from . import _checksum
+
     problem = size_problem(path, record)
     if problem is not None:
         return problem
-    crc = 0
+    pieces = _checksum.pieces_for(record["checksum"])
+    if pieces is None:
+        return unknown_checksum(record)
     if record["size"]:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            crc = zlib.crc32(m)
-    return crc_problem(crc, record)
+            pieces.add(m, 0)
+    return checksum_problem(pieces.hexdigest(), record)
 
 
 def size_problem(path: Path, record: FileRecord) -> str | None:
@@ -267,47 +268,17 @@ def size_problem(path: Path, record: FileRecord) -> str | None:
     return None
 
 
-def crc_problem(crc: int, record: FileRecord) -> str | None:
-    """Why a file whose bytes have CRC-32 ``crc`` is not the file of ``record``, or None."""
-    if checksum(crc) != record["checksum"]:
-        return f"has checksum {checksum(crc)} but the manifest says {record['checksum']} (its bytes were changed)"
+def checksum_problem(found: str, record: FileRecord) -> str | None:
+    """Why a file whose bytes have the checksum ``found`` is not the file of ``record``, or None."""
+    if found != record["checksum"]:
+        return f"has checksum {found} but the manifest says {record['checksum']} (its bytes were changed)"
     return None
 
 
-_POLY = 0xEDB88320  # CRC-32's polynomial, in zlib's reflected bit order
-
-
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo CRC-32's polynomial (zlib's ``multmodp``)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
-for _ in range(31):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``A + B`` from ``crc1`` of A, ``crc2`` of B and B's length (zlib's ``crc32_combine``).
-
-    Example:
-        >>> import zlib
-        >>> crc32_combine(zlib.crc32(b"check"), zlib.crc32(b"sum"), 3) == zlib.crc32(b"checksum")
-        True
-    """
-    n, k, x = len2, 3, 1 << 31  # x^(8 * len2): a shift of crc1 past B's bytes
-    while n:
-        if n & 1:
-            x = _multmodp(_X2N[k & 31], x)
-        n, k = n >> 1, k + 1
-    return _multmodp(x, crc1) ^ crc2
+def unknown_checksum(record: FileRecord) -> str:
+    """The problem of a file whose recorded checksum is of a kind this version cannot compute."""
+    kind = str(record["checksum"]).partition(":")[0]
+    return f"has a checksum of a kind this accelkit does not know ({kind!r}); load it with a newer accelkit"
 
 
 def fsync_dir(path: Path, flusher: Flusher | None = None) -> None:

@@ -268,14 +268,14 @@ def test_damaged_files_are_named_and_nothing_is_touched(tmp_path: Path, damage: 
 
 
 def test_a_changed_byte_in_any_piece_of_a_large_file_is_found(tmp_path: Path) -> None:
-    """Large files are checksummed in 16 MB pieces by two threads, and the pieces' CRC-32s combined."""
+    """Large files are checksummed in 16 MB pieces by two threads, and the pieces' sums combined."""
     torch.manual_seed(0)
     model = nn.Linear(2900, 2900)  # 33.6 MB of weights: three pieces
     ak.save_state(tmp_path / "a", model=model)
     path = tmp_path / "a" / "model.pt"
     good = path.read_bytes()
     assert len(good) > 2 * (16 << 20)
-    ak.load_state(tmp_path / "a", model=nn.Linear(2900, 2900))  # whole: the combined CRC-32 is the file's
+    ak.load_state(tmp_path / "a", model=nn.Linear(2900, 2900))  # whole: the combined checksum is the file's
     for at in (100, (16 << 20) + 5, len(good) - (1 << 20)):  # in the first, second and last piece
         path.write_bytes(good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1 :])
         fresh = nn.Linear(2900, 2900)

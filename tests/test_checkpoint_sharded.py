@@ -266,6 +266,36 @@ def test_a_damaged_dcp_file_is_named_on_every_rank(pool: WorkerPool, tmp_path: P
         assert unchanged, "the model or optimizer was changed"
 
 
+def read_fails_on_rank_1(root: str) -> str:
+    """Save, then load while rank 1's reads of verified shards fail (a disk error): every rank's error."""
+    from accelkit.checkpoint import _sharded
+
+    model, opt = sharded_model()
+    ak.save_state(f"{root}/a", model=model, optimizer=opt)
+    reader = _sharded._reader_type()
+
+    def broken_read(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(5, "Input/output error")
+
+    if ak.rank() == 1:
+        reader.read_data = broken_read
+    try:
+        ak.load_state(f"{root}/a", model=model, optimizer=opt)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        if ak.rank() == 1:
+            del reader.read_data
+    return "no error"
+
+
+def test_a_shard_read_failing_on_one_rank_fails_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    """Each rank reads its own shards without DCP's collectives: the ranks still share the outcome."""
+    for message in pool.run(read_fails_on_rank_1, str(tmp_path)):
+        assert "partly loaded" in message and "rank 1:" in message and "Input/output error" in message
+        assert "rank 0:" not in message
+
+
 class Payload:
     """Unpickling this runs code: it creates ``marker``."""
 

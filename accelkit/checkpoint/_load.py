@@ -1,7 +1,7 @@
 """Reading a checkpoint back: verify every file, deserialize what this rank needs, then apply it.
 
 Phases one and two (:func:`read`) change nothing: each rank checks its share of the files
-against the manifest (size, CRC-32; the ranks agree on the outcome), and deserializes without
+against the manifest (size, checksum; the ranks agree on the outcome), and deserializes without
 running code from them (``torch.load(weights_only=True)``, JSON, restricted unpickling of DCP's
 metadata; DCP's plans and non-tensor items, :func:`readers`). Plain files are mapped, not copied
 (``_files``). Phase three (:func:`apply`, the functions of :func:`readers`) changes the live
@@ -15,10 +15,9 @@ import mmap
 import os
 import threading
 import warnings
-import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from torch import nn
 
@@ -27,6 +26,9 @@ from ..errors import CheckpointError
 from . import _files, _full, _manifest, _rank_state, _sharded
 from ._objects import unwrapped
 from ._save import VALUES
+
+if TYPE_CHECKING:
+    from .._checksum import Pieces
 
 __all__ = ["Loaded", "Verification", "apply", "read", "survey", "tensor_values"]
 
@@ -79,7 +81,7 @@ class Verification:
         self._path, self._names, self._files = path, names, files
         self._problems: dict[int, str] = {}  # by index in names
         self._pieces: list[tuple[int, int, int]] = []  # (index in names, offset, length)
-        self._crcs: dict[int, int] = {}  # by piece
+        self._sums: dict[int, Pieces] = {}  # by index
         self._maps: dict[int, tuple[Any, Any]] = {}  # index -> (file, mapping)
         self._next, self._lock, self._ready, self._done = 0, threading.Lock(), threading.Event(), False
         self._thread = threading.Thread(target=self._run, name="accelkit-verify")
@@ -101,6 +103,13 @@ class Verification:
     def _open(self, index: int, name: str) -> str | None:
         record = self._files[name]
         problem = _safe_io.size_problem(self._path / name, record)
+        from .._checksum import pieces_for  # imported once a checkpoint is read
+
+        pieces = pieces_for(record["checksum"])
+        if problem is None and pieces is None:
+            problem = _safe_io.unknown_checksum(record)
+        if problem is None and pieces is not None:
+            self._sums[index] = pieces
         if problem is None and record["size"]:
             f = open(self._path / name, "rb")
             self._maps[index] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
@@ -118,21 +127,18 @@ class Verification:
             whole = memoryview(self._maps[index][1])
             try:
                 with whole[at : at + length] as view:
-                    self._crcs[piece] = zlib.crc32(view)
+                    self._sums[index].add(view, at)
             finally:
                 whole.release()
 
     def _verdict(self) -> None:
-        crcs: dict[int, int] = {}
-        for piece, (index, _, length) in enumerate(self._pieces):  # in file order: combine the pieces' CRCs
-            crcs[index] = _safe_io.crc32_combine(crcs.get(index, 0), self._crcs[piece], length)
         for f, mapping in self._maps.values():
             mapping.close()
             f.close()
         for index, name in enumerate(self._names):
             problem = self._problems.get(index)
-            if problem is None:  # an empty file has no piece: its CRC-32 is 0
-                problem = _safe_io.crc_problem(crcs.get(index, 0), self._files[name])
+            if problem is None:  # an empty file has no piece
+                problem = _safe_io.checksum_problem(self._sums[index].hexdigest(), self._files[name])
             if problem:
                 self.problem = (
                     f"{self._path / name} {problem}; the checkpoint is damaged: {_manifest.instead(self._path)}"
@@ -275,12 +281,11 @@ def check_fits(call: str, path: Path, objects: dict[str, Any], body: dict[str, A
 
 
 def readers(path: Path, objects: dict[str, Any], sharded: list[str], owners: dict[str, Any]) -> dict[str, Any]:
-    """For each DCP object, checked against the checkpoint, the function that loads it in place (collectives)."""
-    distributed = _state.get().distributed
+    """For each DCP object, checked against the checkpoint, the function that reads this rank's shards in place."""
     out: dict[str, Callable[[], None]] = {}
-    for name, obj in objects.items():  # DCP's collectives: in the same order on every rank
+    for name, obj in objects.items():
         if name in sharded:
-            out[name] = _sharded.load(path / f"{name}{_sharded.SUFFIX}", unwrapped(obj), owners[name], distributed)
+            out[name] = _sharded.load(path / f"{name}{_sharded.SUFFIX}", unwrapped(obj), owners[name])
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._options import is_int
-from .._safe_io import CheckpointError, FileRecord, checksum
+from .._safe_io import CheckpointError, FileRecord
 from .._version import __version__
 
 __all__ = ["MANIFEST", "build", "committed", "read", "version_change"]
@@ -32,7 +32,7 @@ _MAX_BYTES = 64 << 20  # a manifest is small; refuse to parse a huge file as one
 
 def _body_checksum(body: dict[str, Any]) -> str:
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return checksum(zlib.crc32(text.encode()))
+    return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
 def build(

@@ -27,7 +27,6 @@ from torch import nn
 
 from .. import _group, _state
 from .._options import is_int
-from ..errors import CheckpointError
 from . import _async, _full, _load, _manifest, _objects, _rank_state, _save
 from ._agree import Agreement
 
@@ -163,14 +162,16 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
             f"{', '.join(f'{n}={n}' for n in left)} to restore it too",
             stacklevel=2,
         )
+
+    def read_shards() -> None:  # every rank its own shards, in place; one exchange after all of them
+        for read_into in appliers.values():
+            read_into()
+
+    if appliers:
+        agree.each("the sharded objects may be partly loaded", read_shards)
     for name, obj in objects.items():
         if name not in appliers:
             _load.apply(call, path, name, obj, loaded, owners)
-            continue
-        try:
-            appliers[name]()
-        except Exception as exc:
-            raise CheckpointError(f"{call}: {path / name}.dcp does not fit {name}: {exc}") from exc
     if loaded.mine is not None:
         _rank_state.apply(loaded.mine)
     return loaded.values

@@ -161,10 +161,12 @@ def _single_process_is_meant() -> Iterator[None]:
         yield
 
 
-def _dcp_failure(exc: BaseException) -> str:
-    """DCP's failure, each failed rank's error without its traceback."""
+def _dcp_failure(exc: BaseException, ranked: bool = True) -> str:
+    """DCP's failure, each failed rank's error without its traceback (``ranked=False``: DCP ran on one rank)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:  # DCP's CheckpointException: {rank: (exception, traceback)}
+        if not ranked:
+            return "; ".join(_first_line(failure[0]) for failure in failures.values())
         parts = [f"rank {rank}: {_first_line(failure[0])}" for rank, failure in sorted(failures.items())]
         return "torch.distributed.checkpoint failed on " + "; ".join(parts)
     return _first_line(exc)
@@ -285,13 +287,14 @@ def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> None:
                 raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
 
 
-def load(folder: Path, obj: Any, owner: nn.Module | None, distributed: bool) -> Callable[[], None]:
+def load(folder: Path, obj: Any, owner: nn.Module | None) -> Callable[[], None]:
     """Check that ``folder`` loads into ``obj``, changing nothing; the function that loads it, in place.
 
-    Every rank must call both (the function runs DCP's collectives). The check raises
-    CheckpointError when the checkpoint does not fit ``obj``: DCP's planning and every
-    non-tensor item. Called once every file is verified, the function then meets nothing to
-    refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does.
+    The check raises CheckpointError when the checkpoint does not fit ``obj``: DCP's planning and
+    every non-tensor item. Called once every file is verified, the function then meets nothing to
+    refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does. It reads this
+    rank's shards without DCP's collectives (``no_dist``: a load's global plan is every rank's own
+    plan), so the caller shares its outcome between the ranks, once for every object.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -326,9 +329,9 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, distributed: bool) -> 
         reader, planner = _reader_type()(folder), _planner_type()()
         try:
             with _single_process_is_meant():
-                dcp_load(target, storage_reader=reader, planner=planner, no_dist=not distributed)
+                dcp_load(target, storage_reader=reader, planner=planner, no_dist=True)  # no collective
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise CheckpointError(f"{failed}: {_dcp_failure(exc)}") from exc
+            raise CheckpointError(f"{failed}: {_dcp_failure(exc, ranked=False)}") from exc
         if optimizer is None:
             set_model_state_dict(module, target)
         else:
