@@ -5,7 +5,8 @@ then waits in the save's first collective while the others go on to the next ste
 pass waits for it in DDP's own all-reduce: a hang until the collective timeout, or, when the two
 backend calls differ in size, an abort inside gloo. So before its first collective a collective
 step meets through the job's store: each rank adds itself to a count, and while the others are
-missing it reads their positions (the heartbeat's); a missing rank that waits in a synchronising
+missing it waits for the last one's word (in the store, so that it goes on the moment the last rank
+arrives) and reads their positions (the heartbeat's); a missing rank that waits in a synchronising
 backward pass will never come, and every rank that got here raises, naming it and where it is.
 A rank that is merely slow is waited for (up to the collective timeout). A position is as old as
 the rank's last beat, so a rank that left such a pass a moment ago may still read as in it: one
@@ -15,6 +16,7 @@ counts as stuck only once it has read so, unchanged, for ``_SURE`` seconds.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 from ..errors import DistributedOperationError
@@ -24,7 +26,7 @@ __all__ = ["SYNCING", "meet"]
 
 SYNCING = "a forward or backward pass that waits for the other processes"  # published meanwhile
 
-_POLL = 0.05  # seconds between two reads of the count, at first; doubling to 1 s
+_POLL = 0.05  # seconds between two reads of the positions, at first; doubling to 1 s
 _SURE = 3.0  # seconds a missing rank must read as stuck, unchanged: a few beats of a loaded machine
 
 
@@ -38,14 +40,14 @@ def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, 
     key = f"{board}/meet/{name}/{number}"
     store.set(f"{key}/{rank}", "1")
     if store.add(key, 1) >= world:
+        store.set(f"{key}/all", "1")  # the others wake up at once
         return
     deadline, pause = time.monotonic() + timeout, _POLL
     seen: dict[int, tuple[Position, float]] = {}  # a missing rank read as stuck: how, and since when
     while time.monotonic() < deadline:
-        time.sleep(pause)
-        pause = min(1.0, 2 * pause)
-        if store.add(key, 0) >= world:
+        if _all_came(store, f"{key}/all", pause) or store.add(key, 0) >= world:
             return
+        pause = min(1.0, 2 * pause)
         now = time.monotonic()
         missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
         stuck = {r: p for r, p in read_positions(store, board, world).items() if r in missing and p.doing == doing}
@@ -54,6 +56,17 @@ def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, 
         if sure:
             raise DistributedOperationError(_message(name, rank, sure))
     # Out of time: the step's own collective names who is missing, as any collective does.
+
+
+def _all_came(store: Any, key: str, seconds: float) -> bool:
+    """Whether the last rank's ``key`` appears in the store within ``seconds``."""
+    from torch.distributed import DistStoreError
+
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+    except DistStoreError:  # not within the time: read the positions meanwhile
+        return False
+    return True
 
 
 def _message(name: str, rank: int, stuck: dict[int, Position]) -> str:
