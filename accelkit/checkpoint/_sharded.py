@@ -247,26 +247,33 @@ def _planner_type() -> type:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _SafePlanner(DefaultLoadPlanner):
+        def __init__(self, checked: frozenset[bytes] = frozenset()) -> None:
+            super().__init__()
+            self.checked = checked  # items already unpickled as weights_only (by _check_items)
+
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             # DCP unpickles non-tensor items without restriction: check that they need no code first.
-            torch.load(value, weights_only=True)
-            value.seek(0)
+            if value.getvalue() not in self.checked:
+                torch.load(value, weights_only=True)
+                value.seek(0)
             super().load_bytes(read_item, value)
 
     return _SafePlanner
 
 
-def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> None:
+def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> frozenset[bytes]:
     """What ``dcp.load`` of ``state`` from ``folder`` would refuse before it writes a tensor, raised now.
 
     DCP's own planning (keys, sizes) runs here, and every non-tensor item it would read is
     unpickled as ``torch.load(weights_only=True)`` does, so that the in-place load that follows
-    meets nothing it refuses once it has begun.
+    meets nothing it refuses once it has begun. Returns those items' bytes: the same bytes read
+    again need no second check.
     """
     from torch.distributed.checkpoint.planner import LoadItemType
 
     planner = _planner_type()()
     planner.set_up_planner(state, metadata, False)
+    checked: set[bytes] = set()
     with contextlib.ExitStack() as files:
         opened: dict[str, Any] = {}  # each file opened once
         for item in planner.create_local_plan().items:
@@ -281,10 +288,13 @@ def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> None:
             if f is None:
                 f = opened[name] = files.enter_context(open(folder / name, "rb"))
             f.seek(info.offset)
+            data = f.read(info.length)
             try:
-                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+                torch.load(io.BytesIO(data), weights_only=True)
             except Exception as exc:
                 raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
+            checked.add(data)
+    return frozenset(checked)
 
 
 def load(folder: Path, obj: Any, owner: nn.Module | None) -> Callable[[], None]:
@@ -319,14 +329,14 @@ def load(folder: Path, obj: Any, owner: nn.Module | None) -> Callable[[], None]:
             target = get_model_state_dict(module)  # the live tensors
         else:
             target = get_optimizer_state_dict(module, optimizer)  # initialises a fresh optimizer's state
-        _check_items(folder, target, read_metadata(folder / _METADATA))
+        checked = _check_items(folder, target, read_metadata(folder / _METADATA))
     except Exception as exc:
         if fresh and optimizer is not None:
             optimizer.state.clear()  # as it was
         raise CheckpointError(f"{failed} (nothing was changed): {_dcp_failure(exc)}") from exc
 
     def apply() -> None:
-        reader, planner = _reader_type()(folder), _planner_type()()
+        reader, planner = _reader_type()(folder), _planner_type()(checked)
         try:
             with _single_process_is_meant():
                 dcp_load(target, storage_reader=reader, planner=planner, no_dist=True)  # no collective
