@@ -36,16 +36,18 @@ import functools
 import gc
 import inspect
 from collections.abc import Callable
-from typing import Any, Concatenate, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Concatenate, TypeVar, cast, overload
 
 import torch
 from typing_extensions import ParamSpec
 
 from . import _state
 from ._backends import select_backend
-from ._oom_agreement import Team, break_group, drop_frames, is_lost_peer, summary
 from ._options import is_int
 from .errors import NoExecutableBatchSizeError
+
+if TYPE_CHECKING:
+    from ._oom_agreement import Team
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -177,6 +179,8 @@ def _run(fn: Callable[..., R], start: int, args: tuple[Any, ...], kwargs: dict[s
             f"accelkit.find_executable_batch_size: no executable batch size found for {_name(fn)}: "
             f"starting_batch_size=0; start from a positive size, e.g. starting_batch_size=128"
         )
+    from ._oom_agreement import Team, is_lost_peer, summary  # what an out-of-memory retry needs, on its first call
+
     team = Team.join()
     batch_size, tried = start, []
     while True:
@@ -216,6 +220,8 @@ def _run(fn: Callable[..., R], start: int, args: tuple[Any, ...], kwargs: dict[s
 
 def _release(failure: Exception, team: Team | None) -> None:
     """Free the failed attempt's memory; with several processes, break the group first."""
+    from ._oom_agreement import break_group, drop_frames
+
     drop_frames(failure)  # its tensors go now, not with the error that may be chained at the end
     old_group = break_group() if team is not None else None
     _collect()

@@ -21,7 +21,6 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import _state, _tree, collectives
 from .._options import is_int
 from .._state import ProcessState
-from ..launcher import LoaderWorkerLifeline
 from ._loader import ActiveLoader, LoaderPlan, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
@@ -319,6 +318,8 @@ def _plan(
 
 
 def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
+    from ..launcher import LoaderWorkerLifeline  # once a loader is prepared
+
     options: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,

@@ -14,7 +14,6 @@ from typing_extensions import ParamSpec
 from .. import _env, _frames, _state
 from .._options import CODE_LAUNCH_NAMES, LaunchOptions, Options, StartMethod, is_int, validate
 from ..errors import ConfigurationError
-from ._launch_plan import plan_launch
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -141,6 +140,8 @@ def _call(
         return run(*args, **kwargs)  # the options arrived as ACCELKIT_* variables, set by the launcher
     call = "accelkit.launch" if direct is None else "accelkit.distributed"
     given = {**_parent_options(given, call), **given}
+    from ._launch_plan import plan_launch  # the config files' merge: what a launching process needs
+
     plan = plan_launch(given, call=call)
     settings = plan.launch._replace(num_processes=plan.local_processes())
     if settings.num_processes == 1 and settings.num_nodes == 1:
