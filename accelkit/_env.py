@@ -5,8 +5,6 @@ those of torchrun / torchelastic, Open MPI, MPICH / Intel MPI (PMI) and SLURM, s
 process started by any of them with world size N is one of N ranks.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 from collections.abc import Iterator, Mapping

@@ -11,8 +11,6 @@
 Torch-free: ``accelkit --help`` and ``accelkit config`` import this module.
 """
 
-from __future__ import annotations
-
 import difflib
 import json
 import multiprocessing

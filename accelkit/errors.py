@@ -1,7 +1,5 @@
 """The exceptions accelkit raises. Each subclasses the builtin it refines."""
 
-from __future__ import annotations
-
 import re
 from typing import NamedTuple
 

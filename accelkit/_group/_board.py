@@ -10,8 +10,6 @@
 Torch-free: the store is any object with torch's ``Store`` methods.
 """
 
-from __future__ import annotations
-
 import json
 import time
 from typing import Any, NamedTuple

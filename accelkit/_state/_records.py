@@ -1,7 +1,5 @@
 """What the process-global object holds: the state snapshot, and the records of training and of the group."""
 
-from __future__ import annotations
-
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -43,7 +41,7 @@ class ProcessState(NamedTuple):
     # Not compared (see _COMPARED):
     pid: int = 0  # the process that made it: a forked child does not use its parent's
     hardware: Backend | None = None
-    strategy: Strategy | None = None  # chosen once, from the options
+    strategy: "Strategy | None" = None  # chosen once, from the options
     sources: Mapping[str, str] = {}  # option -> its layer
     origins: Mapping[str, str] = {}  # option -> who set it in code
 

@@ -5,8 +5,6 @@ back into ready-to-apply values, raising ``ValueError`` on anything malformed, s
 damaged file is refused before :func:`apply` changes anything.
 """
 
-from __future__ import annotations
-
 import base64
 import random
 from typing import Any, NamedTuple

@@ -7,8 +7,6 @@ ranks agree that all succeeded, the main process writes the manifest and renames
 directory into place (``_commit``), the ranks agree again, and only then is anything pruned.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import uuid

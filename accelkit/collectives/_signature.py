@@ -8,8 +8,6 @@ collective of their program. The header carries the token's parts and what a one
 to describe the sender's call: ``magic, op, flags, dtype, ndim, seq, fingerprint, length, dims[7]``.
 """
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import struct

@@ -7,8 +7,6 @@ and a fix, raised before anything starts. PyYAML is imported only when a file is
 written, so :func:`config_in_effect` costs a ``stat`` when there is no config file.
 """
 
-from __future__ import annotations
-
 import os
 from collections.abc import Mapping
 from pathlib import Path

@@ -14,8 +14,6 @@ loaded one step early: a map-style dataset that draws from the global RNG in the
 (``num_workers=0``) draws for it before the step, not after.
 """
 
-from __future__ import annotations
-
 import base64
 import weakref
 from collections.abc import Iterator, Mapping
