@@ -6,8 +6,6 @@ A blocking save agrees through accelkit's collectives; a background save (``bloc
 through a gloo group of its own, so that it never interleaves with the training loop's collectives.
 """
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -33,7 +31,7 @@ class Agreement(NamedTuple):
     exchange: Exchange | None
 
     @classmethod
-    def here(cls, call: str) -> Agreement:
+    def here(cls, call: str) -> "Agreement":
         """Agreement through accelkit's collectives, on the calling (training) thread."""
         return cls(call, collectives.gather_object if _state.get().distributed else None)
 

@@ -8,8 +8,6 @@ metadata; DCP's plans and non-tensor items, :func:`readers`). Plain files are ma
 objects, in the order given: DCP reads the verified shards straight into their tensors.
 """
 
-from __future__ import annotations
-
 import json
 import mmap
 import os

@@ -9,8 +9,6 @@
   containers of tensors) into ``values.pt``, detached copies on the CPU.
 """
 
-from __future__ import annotations
-
 import json
 from typing import Any, NamedTuple
 

@@ -15,8 +15,6 @@ memory without blocking, and read at the rank's next collective, barrier or ``ak
 (:class:`Deferred`).
 """
 
-from __future__ import annotations
-
 import functools
 from typing import Any, NamedTuple
 
@@ -106,7 +104,7 @@ class Deferred(NamedTuple):
     src: int
 
     @classmethod
-    def start(cls, verdict: torch.Tensor, call: Any, seen: torch.Tensor | None, src: int) -> Deferred:
+    def start(cls, verdict: torch.Tensor, call: Any, seen: torch.Tensor | None, src: int) -> "Deferred":
         flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         flag.copy_(verdict, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]

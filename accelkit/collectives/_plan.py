@@ -26,8 +26,6 @@ beyond ``TAIL_BYTES`` sends its header right after its data in a broadcast of it
 it, an all-reduce, cost up to twice the broadcast on gloo).
 """
 
-from __future__ import annotations
-
 from typing import Any, NamedTuple
 
 import torch

@@ -5,8 +5,6 @@ Used by the process state (``ak.init``, first use), ``@ak.distributed`` / ``ak.l
 everywhere; :class:`Resolved` also says where each value came from, for messages.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple, cast
 

@@ -16,8 +16,6 @@ Example:
     [[2, 3], [1, 2]]
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterable, Iterator, Sized
 from itertools import cycle, islice
 from typing import Any, NamedTuple, TypeVar

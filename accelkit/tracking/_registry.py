@@ -5,8 +5,6 @@ only when that tracker starts, behind one small protocol. Torch-free, so ``accel
 what is installed without importing any tracker.
 """
 
-from __future__ import annotations
-
 import importlib
 import importlib.util
 from collections.abc import Iterable, Mapping
