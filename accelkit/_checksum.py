@@ -33,12 +33,12 @@ _OFFSET = 0x632BE59BD9B4E019
 
 @functools.cache
 def _quiet_frombuffer() -> None:
-    """torch warns once per process when a tensor views read-only memory: ours are only read."""
-    import torch
+    """torch warns (once) when a tensor views read-only memory: the tensors here only read it.
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.frombuffer(b"\0" * 8, dtype=torch.int64)
+    One narrow filter, added once: ``catch_warnings`` would save and restore the whole filter
+    list, which races with other threads (these sums run on a checkpoint's threads).
+    """
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def sectors_sum(data: Any, first: int) -> int:

@@ -317,26 +317,31 @@ def forge(directory: Path, name: str, data: bytes) -> None:
     (directory / _manifest.MANIFEST).write_bytes(forged)
 
 
-def resign(directory: Path, checksum: Callable[[bytes], str]) -> None:
-    """Record every file of ``directory`` with ``checksum`` of its bytes, in a valid manifest."""
+def resign(directory: Path, checksum: Callable[[bytes], str], version: int) -> None:
+    """Record every file of ``directory`` with ``checksum`` of its bytes, in a valid manifest of ``version``."""
     body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
     for name in body["files"]:
         body["files"][name]["checksum"] = checksum((directory / name).read_bytes())
-    forged = _manifest.build(body["files"], body["objects"], body["values"], body["world_size"])
-    (directory / _manifest.MANIFEST).write_bytes(forged)
+    body["version"] = version
+    signed = {"checksum": _manifest._body_checksum(body), "body": body}
+    (directory / _manifest.MANIFEST).write_text(json.dumps(signed))
 
 
 def test_checkpoints_with_crc32_checksums_still_load_and_unknown_kinds_are_refused(tmp_path: Path) -> None:
     save_pair(tmp_path / "a", 3.0)
     body = json.loads((tmp_path / "a" / _manifest.MANIFEST).read_text())["body"]
+    assert body["version"] == 2
     assert all(record["checksum"].startswith("sum64:") for record in body["files"].values())
-    resign(tmp_path / "a", lambda data: f"crc32:{zlib.crc32(data):08x}")  # as accelkit wrote them before sum64
+    resign(tmp_path / "a", lambda data: f"crc32:{zlib.crc32(data):08x}", 1)  # as accelkit wrote them before sum64
     assert saved_fill(tmp_path / "a") == 3.0
     (tmp_path / "a" / "model.pt").write_bytes(b"\0" + (tmp_path / "a" / "model.pt").read_bytes()[1:])
     with pytest.raises(CheckpointError, match=r"model\.pt has checksum crc32:.* \(its bytes were changed\)"):
         saved_fill(tmp_path / "a")
-    resign(tmp_path / "a", lambda data: "blake3:00")
+    resign(tmp_path / "a", lambda data: "blake3:00", 2)
     with pytest.raises(CheckpointError, match=r"a kind this accelkit does not know \('blake3'\).*newer accelkit"):
+        saved_fill(tmp_path / "a")
+    resign(tmp_path / "a", lambda data: f"crc32:{zlib.crc32(data):08x}", 3)  # a later format: refused by name
+    with pytest.raises(CheckpointError, match=r"format version 3; this accelkit reads versions 1 and 2: load it with"):
         saved_fill(tmp_path / "a")
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import itertools
 import random
 import struct
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -97,3 +100,15 @@ def test_moved_zeroed_and_replaced_sectors_change_the_checksum() -> None:
 
 def test_a_checksum_of_an_unknown_kind_is_not_computed() -> None:
     assert _checksum.pieces_for("sha256:00") is None
+
+
+def test_checksumming_read_only_memory_warns_nothing(tmp_path: Path) -> None:
+    """torch warns when a tensor views read-only memory (the bytes torch.save writes, a mapped file)."""
+    script = (
+        "import warnings, torch, accelkit as ak\n"
+        "warnings.simplefilter('error')\n"
+        f"ak.save_state({str(tmp_path / 'c')!r}, model=torch.nn.Linear(300, 300), step=1)\n"
+        f"assert ak.load_state({str(tmp_path / 'c')!r}, model=torch.nn.Linear(300, 300)) == {{'step': 1}}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -2,7 +2,7 @@
 
 Writing, the bytes are checksummed as they pass to the file (:func:`accelkit._safe_io.write_file`);
 ``torch.save``'s own CRC-32 of every zip record is turned off for our files, since the manifest's
-CRC-32 of the whole file already covers each byte (hashing twice was a third of the save's time).
+checksum of the whole file already covers each byte (hashing twice was a third of the save's time).
 ``torch.load`` reads such files as any other. Reading, files are mapped (``torch.load(mmap=True)``)
 instead of copied into fresh memory: a module's ``load_state_dict`` copies straight from the page
 cache into its parameters. What other objects keep (an optimizer keeps the tensors it is given) is

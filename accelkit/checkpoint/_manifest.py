@@ -26,7 +26,8 @@ __all__ = ["MANIFEST", "build", "committed", "read", "version_change"]
 
 MANIFEST = "manifest.json"
 FORMAT = "accelkit-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: files checksummed with sum64; 1: with CRC-32 (still read)
+_READABLE = (1, 2)
 _MAX_BYTES = 64 << 20  # a manifest is small; refuse to parse a huge file as one
 
 
@@ -93,10 +94,10 @@ def read(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not an accelkit checkpoint manifest (no format {FORMAT!r})")
     if raw.get("checksum") != _body_checksum(body):
         raise CheckpointError(f"{path} has a wrong checksum: the manifest's content was changed or damaged")
-    if body.get("version") != VERSION:
+    if body.get("version") not in _READABLE:
         raise CheckpointError(
-            f"{path} has format version {body.get('version')!r}; this accelkit reads version {VERSION}: "
-            f"load it with the accelkit that wrote it ({body.get('accelkit')!r})"
+            f"{path} has format version {body.get('version')!r}; this accelkit reads versions "
+            f"{' and '.join(map(str, _READABLE))}: load it with the accelkit that wrote it ({body.get('accelkit')!r})"
         )
     _check_files(path, body.get("files"))
     for key in ("sharded", "full"):  # absent from checkpoints of earlier versions

@@ -92,7 +92,7 @@ def _filesystem_type() -> type:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class _HashingFileSystem(FileSystem):
-        """DCP's local filesystem, writing through :func:`accelkit._safe_io.open_hashed` (CRC-32, fsync)."""
+        """DCP's local filesystem, writing through :func:`accelkit._safe_io.open_hashed` (checksummed, fsynced)."""
 
         def __init__(self, flusher: _safe_io.Flusher | None = None) -> None:
             super().__init__()
