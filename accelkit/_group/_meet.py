@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedOperationError
-from ._board import Position, read_positions
+
+if TYPE_CHECKING:
+    from ._board import Position
 
 __all__ = ["SYNCING", "meet"]
 
@@ -42,6 +44,8 @@ def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, 
     if store.add(key, 1) >= world:
         store.set(f"{key}/all", "1")  # the others wake up at once
         return
+    from ._board import read_positions  # the heartbeat's board, read while a rank is missing
+
     deadline, pause = time.monotonic() + timeout, _POLL
     seen: dict[int, tuple[Position, float]] = {}  # a missing rank read as stuck: how, and since when
     while time.monotonic() < deadline:

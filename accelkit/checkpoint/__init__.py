@@ -1,10 +1,16 @@
 """Checkpoints that survive crashes: atomic save, verified safe load, exact resume."""
 
 from ..errors import CheckpointError
-from ._async import finish_saving
 from ._export import save_model
 from ._info import CheckpointInfo, read_checkpoint
-from ._save_load import full_state_dict, latest_checkpoint, load_state, save_state, wait_for_checkpoint
+from ._save_load import (
+    finish_saving,
+    full_state_dict,
+    latest_checkpoint,
+    load_state,
+    save_state,
+    wait_for_checkpoint,
+)
 
 __all__ = [
     "CheckpointError",

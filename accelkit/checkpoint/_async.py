@@ -27,7 +27,7 @@ from ..errors import CheckpointError
 from . import _save
 from ._agree import Agreement, exchange_on
 
-__all__ = ["Saving", "finish_saving", "start"]
+__all__ = ["Saving", "finish", "start"]
 
 
 class Saving:
@@ -74,7 +74,7 @@ class Saving:
             warnings.warn(f"{self.call} (blocking=False) failed, and no later call reported it: {error}", stacklevel=2)
 
 
-def finish_saving(call: str) -> None:
+def finish(call: str) -> None:
     """Wait for this process's save in flight; raise its failure (the same on every rank), naming ``call``."""
     saving = _state.training.saving
     error = saving.join() if isinstance(saving, Saving) else None

@@ -27,10 +27,10 @@ from torch import nn
 
 from .. import _group, _state
 from .._options import is_int
-from . import _async, _full, _load, _manifest, _objects, _rank_state, _save
+from . import _full, _load, _manifest, _objects, _rank_state, _save
 from ._agree import Agreement
 
-__all__ = ["full_state_dict", "latest_checkpoint", "load_state", "save_state", "wait_for_checkpoint"]
+__all__ = ["finish_saving", "full_state_dict", "latest_checkpoint", "load_state", "save_state", "wait_for_checkpoint"]
 
 
 def save_state(
@@ -77,11 +77,13 @@ def save_state(
     for name, flag in (("blocking", blocking), ("full_state", full_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"{call}: {name}={flag!r}; expected True or False")
-    _async.finish_saving(call)
+    finish_saving(call)
     _meet("save_state")
     contents = _objects.collect(call, objects, full_state)
     job = _save.begin(call, directory, keep_last, contents)
     if not blocking:
+        from . import _async  # the background saving: loaded with the first save that asks for it
+
         _async.start(job)
         return job.target
     return _save.write(job, Agreement.here(call))
@@ -98,7 +100,7 @@ def wait_for_checkpoint() -> None:
         >>> import accelkit as ak
         >>> ak.wait_for_checkpoint()
     """
-    _async.finish_saving("accelkit.wait_for_checkpoint()")
+    finish_saving("accelkit.wait_for_checkpoint()")
 
 
 def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **objects: Any) -> dict[str, Any]:
@@ -128,7 +130,7 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
                 f"(plain values saved with save_state are returned: values = ak.load_state(...); to read them "
                 f"before the objects exist: ak.read_checkpoint(directory))"
             )
-    _async.finish_saving(call)
+    finish_saving(call)
     st = _state.get()
     path = Path(directory)
     agree = Agreement.here(call)
@@ -175,6 +177,14 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     if loaded.mine is not None:
         _rank_state.apply(loaded.mine)
     return loaded.values
+
+
+def finish_saving(call: str) -> None:
+    """Wait for this process's save in flight, if any; raise its failure (the same on every rank), naming ``call``."""
+    if _state.training.saving is not None:
+        from . import _async
+
+        _async.finish(call)
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
