@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from .. import _group, _state
 from .._options import is_int
+from ..errors import CheckpointError
 from . import _full, _load, _manifest, _objects, _rank_state, _save
 from ._agree import Agreement
 
@@ -137,26 +138,28 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
     nothing = "nothing was changed"
     started: list[_load.Verification] = []  # joined however the load ends
 
-    def read() -> tuple[dict[str, Any], _load.Verification, _load.Loaded]:
+    def read() -> _Read:
         body, mine = _load.survey(path, objects, st, strict)
         check = _load.Verification(path, mine, body["files"])  # while the files are read
         started.append(check)
-        return body, check, check.first(lambda: _load.read(path, body, objects, st, strict))
-
-    def read_sharded(check: _load.Verification) -> dict[str, Any]:
-        found = check.first(lambda: _load.readers(path, objects, sharded, owners))
+        loaded = check.first(lambda: _load.read(path, body, objects, st, strict))
+        try:  # what the call asks for against what the checkpoint holds: the same on every rank
+            sharded = _load.check_fits(call, path, objects, body)
+            owned = {n: o for n, o in objects.items() if n in sharded or (n in body["full"] and not _is_module(o))}
+            owners = _objects.owners(call, owned, objects)
+        except (CheckpointError, ValueError, TypeError) as misuse:
+            return _Read(body, loaded, {}, {}, misuse)
+        appliers = check.first(lambda: _load.readers(path, objects, sharded, owners))  # DCP's plans, checked
         check.check()  # every file verified before DCP reads into the live tensors (below)
-        return found
+        return _Read(body, loaded, owners, appliers, None)
 
-    try:  # two exchanges: what each rank read, then DCP's plans and the checksums; nothing changed yet
-        body, check, loaded = agree.each(nothing, read)
-        sharded = _load.check_fits(call, path, objects, body)
-        owned = {n: o for n, o in objects.items() if n in sharded or (n in body["full"] and not _is_module(o))}
-        owners = _objects.owners(call, owned, objects)  # the same on every rank
-        appliers = agree.each(nothing, lambda: read_sharded(check))
+    try:  # one exchange: each rank's reading, plans and checksums; nothing changed yet
+        body, loaded, owners, appliers, misuse = agree.each(nothing, read)
     finally:
         for started_check in started:
             started_check.join()
+    if misuse is not None:
+        raise misuse
     left = sorted(set(body["objects"]) - set(objects))
     if left and st.is_main_process:
         warnings.warn(
@@ -229,6 +232,16 @@ def _meet(name: str) -> None:
         return
     group.meetings[name] = number = group.meetings.get(name, 0) + 1
     _group.meet(group.store, group.board, name, number, st.rank, st.world_size, st.options.timeout, _group.SYNCING)
+
+
+class _Read(NamedTuple):
+    """What every rank of ``load_state`` read and checked before anything is applied."""
+
+    body: dict[str, Any]  # the manifest
+    loaded: _load.Loaded
+    owners: dict[str, nn.Module | None]  # the module each sharded or full optimizer belongs to
+    appliers: dict[str, Any]  # name -> reads its DCP shards in place
+    misuse: Exception | None  # the call does not fit the checkpoint (raised as is, on every rank alike)
 
 
 def _is_module(obj: Any) -> bool:
