@@ -27,6 +27,7 @@ __all__ = ["SECTOR", "Pieces", "Sum64", "crc32_combine", "of_bytes", "pieces_for
 SECTOR = 512
 _MASK = (1 << 64) - 1
 _GATHER = 64 << 10  # writes smaller than this are gathered before torch sums them
+_BLOCK = 1 << 18  # sectors summed at a time (128 MB): 2 MB of sums and as many weights
 _MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / golden ratio, as torch's signed int64
 _OFFSET = 0x632BE59BD9B4E019
 
@@ -48,11 +49,15 @@ def sectors_sum(data: Any, first: int) -> int:
     _quiet_frombuffer()
     if not len(data):
         return 0
-    words = torch.frombuffer(data, dtype=torch.int64)  # viewed, not copied
-    sums = words.view(-1, SECTOR // 8).sum(1)
-    del words  # lets go of the caller's buffer
-    weights = torch.arange(first, first + sums.numel(), dtype=torch.int64).mul_(_MULTIPLIER).add_(_OFFSET)
-    return int(sums.mul_(weights.bitwise_or_(1)).sum()) & _MASK
+    sectors = torch.frombuffer(data, dtype=torch.int64).view(-1, SECTOR // 8)  # viewed, not copied
+    total = 0
+    for start in range(0, len(sectors), _BLOCK):  # a write may be one whole tensor: bounded temporaries
+        sums = sectors[start : start + _BLOCK].sum(1)
+        at = first + start
+        weights = torch.arange(at, at + len(sums), dtype=torch.int64).mul_(_MULTIPLIER).add_(_OFFSET)
+        total += int(sums.mul_(weights.bitwise_or_(1)).sum())
+    del sectors  # lets go of the caller's buffer
+    return total & _MASK
 
 
 def _padded(data: Any, first: int) -> int:
