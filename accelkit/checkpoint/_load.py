@@ -99,10 +99,10 @@ class Verification:
         self._work()
 
     def _open(self, index: int, name: str) -> str | None:
-        record = self._files[name]
-        problem = _safe_io.size_problem(self._path / name, record)
         from .._checksum import pieces_for  # imported once a checkpoint is read
 
+        record = self._files[name]
+        problem = _safe_io.size_problem(self._path / name, record)
         pieces = pieces_for(record["checksum"])
         if problem is None and pieces is None:
             problem = _safe_io.unknown_checksum(record)
