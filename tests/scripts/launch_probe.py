@@ -37,8 +37,10 @@ def main() -> None:
         "pid": os.getpid(),
         "threads": os.environ.get("OMP_NUM_THREADS"),
     }
-    with open(os.path.join(os.environ["REPORT_DIR"], f"rank{st.rank}.json"), "w") as f:
+    path = os.path.join(os.environ["REPORT_DIR"], f"rank{st.rank}.json")
+    with open(f"{path}.tmp", "w") as f:  # whole or not at all: a test may read it while this rank sleeps
         json.dump(report, f)
+    os.replace(f"{path}.tmp", path)
     if f"fail={st.rank}" in sys.argv:
         raise ValueError(f"bad batch on rank {st.rank}")
     if "sleep" in sys.argv:

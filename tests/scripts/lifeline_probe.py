@@ -24,9 +24,15 @@ class Pids(torch.utils.data.Dataset[torch.Tensor]):
     def __getitem__(self, index: int) -> torch.Tensor:
         path = os.path.join(os.environ["REPORT_DIR"], f"loader-{os.getpid()}.pid")
         if not os.path.exists(path):
-            with open(path, "w") as f:
-                f.write(str(os.getpid()))
+            report(path, str(os.getpid()))
         return torch.tensor([index])
+
+
+def report(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole: the test reads the file as soon as it appears."""
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
 
 
 def main() -> None:
@@ -34,8 +40,8 @@ def main() -> None:
     loader = ak.prepare(torch.utils.data.DataLoader(Pids(), batch_size=2, num_workers=1))
     batches = iter(loader)
     next(batches)  # the DataLoader worker is running now (and stays, with `batches`)
-    with open(os.path.join(os.environ["REPORT_DIR"], f"rank{st.rank}.json"), "w") as f:
-        json.dump({"rank": st.rank, "pid": os.getpid()}, f)
+    pids = json.dumps({"rank": st.rank, "pid": os.getpid()})
+    report(os.path.join(os.environ["REPORT_DIR"], f"rank{st.rank}.json"), pids)
     if st.rank == 0:
         ak.wait_for_everyone()  # never reached by rank 1: rank 0 blocks in a collective
     time.sleep(600)
