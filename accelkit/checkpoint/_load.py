@@ -39,6 +39,7 @@ class Loaded(NamedTuple):
     states: dict[str, Any]  # name -> state read from NAME.pt (a module's mapped from the file, others copied)
     mine: _rank_state.RankState | None  # this rank's RNG/scaler/loader state, None when it does not apply
     values: dict[str, Any]  # the plain values, tensors included
+    metadata: dict[str, Any]  # name -> DCP's metadata of a sharded object, read once
 
 
 def survey(
@@ -171,12 +172,12 @@ class Verification:
 def read(path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Loaded:
     """Deserialize what this rank needs (plain files mapped, DCP metadata checked, values, rank state)."""
     files: dict[str, _safe_io.FileRecord] = body["files"]
-    states = {}
+    states, metadata = {}, {}
     for name in objects:
         if name in body["sharded"]:
             folder = f"{name}{_sharded.SUFFIX}"
-            metadata = _sharded.read_metadata(path / folder / ".metadata")
-            unlisted = sorted(f"{folder}/{ref}" for ref in _sharded.referenced_files(metadata))
+            metadata[name] = _sharded.read_metadata(path / folder / ".metadata")
+            unlisted = sorted(f"{folder}/{ref}" for ref in _sharded.referenced_files(metadata[name]))
             unlisted = [ref for ref in unlisted if ref not in files]
             if unlisted:
                 raise CheckpointError(f"{path / unlisted[0]} is missing from the manifest; the checkpoint is damaged")
@@ -186,7 +187,7 @@ def read(path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.P
         # made here, while the files are being verified.
         states[name] = state if isinstance(unwrapped(objects[name]), nn.Module) else _files.owned(state)
     values = {**body["values"], **tensor_values(path, body)}
-    return Loaded(body, states, _mine(path, body, st, strict, f"rank-{st.rank}.json"), values)
+    return Loaded(body, states, _mine(path, body, st, strict, f"rank-{st.rank}.json"), values, metadata)
 
 
 def tensor_values(path: Path, body: dict[str, Any]) -> dict[str, Any]:
@@ -278,12 +279,11 @@ def check_fits(call: str, path: Path, objects: dict[str, Any], body: dict[str, A
     return sharded
 
 
-def readers(path: Path, objects: dict[str, Any], sharded: list[str], owners: dict[str, Any]) -> dict[str, Any]:
+def readers(path: Path, objects: dict[str, Any], loaded: Loaded, owners: dict[str, Any]) -> dict[str, Any]:
     """For each DCP object, checked against the checkpoint, the function that reads this rank's shards in place."""
     out: dict[str, Callable[[], None]] = {}
-    for name, obj in objects.items():
-        if name in sharded:
-            out[name] = _sharded.load(path / f"{name}{_sharded.SUFFIX}", unwrapped(obj), owners[name])
+    for name, metadata in loaded.metadata.items():
+        out[name] = _sharded.load(path / f"{name}{_sharded.SUFFIX}", unwrapped(objects[name]), owners[name], metadata)
     return out
 
 

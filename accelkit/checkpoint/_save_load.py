@@ -149,7 +149,7 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
             owners = _objects.owners(call, owned, objects)
         except (CheckpointError, ValueError, TypeError) as misuse:
             return _Read(body, loaded, {}, {}, misuse)
-        appliers = check.first(lambda: _load.readers(path, objects, sharded, owners))  # DCP's plans, checked
+        appliers = check.first(lambda: _load.readers(path, objects, loaded, owners))  # DCP's plans, checked
         check.check()  # every file verified before DCP reads into the live tensors (below)
         return _Read(body, loaded, owners, appliers, None)
 

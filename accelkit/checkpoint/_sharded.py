@@ -232,8 +232,12 @@ def _reader_type() -> type:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class _SafeReader(FileSystemReader):
+        def __init__(self, path: Path, metadata: Any) -> None:
+            super().__init__(path)
+            self.metadata = metadata  # read with read_metadata, checked
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata(Path(self.path) / _METADATA)
+            metadata = self.metadata
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -297,14 +301,15 @@ def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> frozense
     return frozenset(checked)
 
 
-def load(folder: Path, obj: Any, owner: nn.Module | None) -> Callable[[], None]:
+def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Callable[[], None]:
     """Check that ``folder`` loads into ``obj``, changing nothing; the function that loads it, in place.
 
     The check raises CheckpointError when the checkpoint does not fit ``obj``: DCP's planning and
     every non-tensor item. Called once every file is verified, the function then meets nothing to
     refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does. It reads this
     rank's shards without DCP's collectives (``no_dist``: a load's global plan is every rank's own
-    plan), so the caller shares its outcome between the ranks, once for every object.
+    plan), so the caller shares its outcome between the ranks, once for every object. ``metadata``
+    is the folder's, as :func:`read_metadata` read it: both use it, neither reads it again.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -329,14 +334,14 @@ def load(folder: Path, obj: Any, owner: nn.Module | None) -> Callable[[], None]:
             target = get_model_state_dict(module)  # the live tensors
         else:
             target = get_optimizer_state_dict(module, optimizer)  # initialises a fresh optimizer's state
-        checked = _check_items(folder, target, read_metadata(folder / _METADATA))
+        checked = _check_items(folder, target, metadata)
     except Exception as exc:
         if fresh and optimizer is not None:
             optimizer.state.clear()  # as it was
         raise CheckpointError(f"{failed} (nothing was changed): {_dcp_failure(exc)}") from exc
 
     def apply() -> None:
-        reader, planner = _reader_type()(folder), _planner_type()(checked)
+        reader, planner = _reader_type()(folder, metadata), _planner_type()(checked)
         try:
             with _single_process_is_meant():
                 dcp_load(target, storage_reader=reader, planner=planner, no_dist=True)  # no collective
