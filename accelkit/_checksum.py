@@ -24,7 +24,7 @@ import warnings
 import zlib
 from typing import Any
 
-__all__ = ["SECTOR", "Pieces", "Sum64", "crc32_combine", "of_bytes", "pieces_for", "sectors_sum"]
+__all__ = ["SECTOR", "Pieces", "Sum64", "crc32_combine", "pieces_for", "sectors_sum"]
 
 SECTOR = 512
 _MASK = (1 << 64) - 1
@@ -74,24 +74,17 @@ def _padded(data: Any, first: int) -> int:
     return (value + sectors_sum(tail, first + whole // SECTOR)) & _MASK
 
 
-def of_bytes(data: Any) -> str:
-    """The ``sum64`` checksum of the bytes ``data``, as a manifest records it.
-
-    Example:
-        >>> of_bytes(b"") == of_bytes(b"\\0" * 100)  # equal sizes are checked beside it
-        True
-        >>> of_bytes(b"\\1") != of_bytes(b"\\0\\1")
-        True
-    """
-    return _text(_padded(data, 0))
-
-
 def _text(value: int) -> str:
     return f"sum64:{value:016x}"
 
 
 class Sum64:
-    """``sum64`` of bytes written in order, in writes of any size (gathered to whole sectors)."""
+    """``sum64`` of bytes written in order, in writes of any size (gathered to whole sectors).
+
+    Example:
+        >>> h = Sum64(); h.update(memoryview(b"check")); h.update(memoryview(b"sum")); h.hexdigest()
+        'sum64:5aa0d82fc0d9d1ab'
+    """
 
     def __init__(self) -> None:
         self._value, self._sectors, self._pending = 0, 0, bytearray()
