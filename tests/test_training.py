@@ -39,6 +39,36 @@ def test_gradients_sync_only_on_the_boundary(pool: WorkerPool) -> None:
     assert zero[2][1] == pytest.approx(one[2][1], abs=1e-6), "the boundary step all-reduces"
 
 
+def no_sync_kept_and_entered_again() -> list[Any]:
+    """Rank r's gradient of sum(w . x) is x = r + 1 per backward; an all-reduce averages the ranks'."""
+    model = nn.Linear(3, 1, bias=False)
+    model = ak.prepare(model)
+    x = torch.full((1, 3), float(ak.rank() + 1))
+    region = ak.no_sync(model)
+    seen = []
+    with region:
+        with region:  # nested: the inner exit must not turn the all-reduce back on
+            ak.backward(model(x).sum())
+        with ak.accumulate(model, steps=2):  # a micro-step's own region, inside (it halves the loss)
+            ak.backward(model(x).sum())
+        ak.backward(model(x).sum())
+        seen.append(model.module.weight.grad[0, 0].item())
+    ak.backward(model(x).sum())  # outside: all-reduced
+    seen.append(model.module.weight.grad[0, 0].item())
+    with pytest.raises(KeyError), region:  # entered again after it ended; left by an exception
+        raise KeyError("in the body")
+    model.zero_grad()
+    ak.backward(model(x).sum())
+    seen.append(model.module.weight.grad[0, 0].item())
+    return seen
+
+
+def test_a_no_sync_region_can_be_kept_nested_and_entered_again(pool: WorkerPool) -> None:
+    zero, one = pool.run(no_sync_kept_and_entered_again)
+    assert zero[0] == 2.5 and one[0] == 5.0  # 1 + 1/2 + 1 times x: each rank's own
+    assert zero[1:] == one[1:] == [(3.5 + 7.0) / 2, 1.5]  # all-reduced again once every region ended
+
+
 def ddp_options(find_unused: bool) -> bool:
     class WithUnused(nn.Module):
         def __init__(self) -> None:
@@ -106,14 +136,19 @@ def test_backward_divides_by_the_accumulation_steps() -> None:
     assert w.grad.item() == 10.0
 
 
-def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A strategy with its own backward, step and zero_grad (DeepSpeed's engine) is asked on every micro-step."""
+@pytest.mark.parametrize("on_micro_steps", [True, False])
+def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(
+    monkeypatch: pytest.MonkeyPatch, on_micro_steps: bool
+) -> None:
+    """A strategy that steps on micro-steps (DeepSpeed's engine) is asked to on each; zero_grad on boundaries only."""
     from accelkit import _state
     from accelkit._strategies.single import SingleProcess
 
     calls: list[tuple[str, bool]] = []
 
     class OwnStep(SingleProcess):
+        steps_on_micro_steps = on_micro_steps
+
         def backward(self, loss: torch.Tensor, *, divide_by: int, boundary: bool, **kwargs: Any) -> None:
             calls.append((f"backward / {divide_by}", boundary))
             super().backward(loss, divide_by=divide_by, boundary=boundary, **kwargs)
@@ -122,9 +157,9 @@ def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(monkeypatch: p
             calls.append(("step", boundary))
             return super().optimizer_step(optimizer, closure, boundary=boundary)
 
-        def zero_grad(self, optimizer: Any, set_to_none: bool, *, boundary: bool) -> None:
-            calls.append(("zero_grad", boundary))
-            super().zero_grad(optimizer, set_to_none, boundary=boundary)
+        def zero_grad(self, optimizer: Any, set_to_none: bool) -> None:
+            calls.append(("zero_grad", ak.sync_gradients()))
+            super().zero_grad(optimizer, set_to_none)
 
     model = make_model()
     model, opt = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
@@ -135,8 +170,8 @@ def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(monkeypatch: p
             ak.backward(model(torch.ones(2, 4, device=ak.device())).sum())
             opt.step()
             opt.zero_grad()
-    steps = [("backward / 2", False), ("step", False), ("zero_grad", False)]
-    assert calls == steps + [(name, True) for name, _ in steps]
+    micro = [("backward / 2", False)] + ([("step", False)] if on_micro_steps else [])
+    assert calls == [*micro, ("backward / 2", True), ("step", True), ("zero_grad", True)]
 
 
 def fp16_setup() -> tuple[nn.Module, Any, Any]:

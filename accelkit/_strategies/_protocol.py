@@ -27,6 +27,7 @@ class Strategy(Protocol):
     name: str
     options: Options  # the process state's options, read on the step path (an attribute, where ak.state() is a call)
     owns_schedulers: bool  # the strategy steps LR schedulers itself (their step() does nothing)
+    steps_on_micro_steps: bool  # optimizer_step runs on accumulation micro-steps too (else only on boundaries)
 
     def setup(
         self,
@@ -57,11 +58,15 @@ class Strategy(Protocol):
     ) -> tuple[float | None, Skipped]:
         """Step ``optimizer`` (on a boundary); the closure's loss and whether the step was skipped.
 
+        Asked on accumulation micro-steps too (``boundary`` False) where ``steps_on_micro_steps``.
+
         Adds no host-device synchronisation: a skip still decided on the device comes back as a tensor.
         """
         ...
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None: ...
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        """Zero ``optimizer``'s gradients; asked on boundaries only (micro-steps keep accumulating)."""
+        ...
 
     def unscale(self) -> None:
         """Divide the fp16 gradients of the prepared optimizers by the scale, once per step (before clipping)."""

@@ -170,6 +170,7 @@ class DeepSpeed(SingleProcess):
 
     name = "deepspeed"
     owns_schedulers = True
+    steps_on_micro_steps = True  # engine.step() counts the micro-steps
 
     def __init__(self, options: Options, device: torch.device, world_size: int) -> None:
         super().__init__(options, device)
@@ -248,7 +249,7 @@ class DeepSpeed(SingleProcess):
         was_skipped, self._skipped = skipped > self._skipped, skipped
         return None, was_skipped if boundary else None
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         pass  # the engine zeroes the gradients after its step
 
     def unwrap(self, model: nn.Module) -> nn.Module:

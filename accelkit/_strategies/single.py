@@ -17,10 +17,35 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._options import Options
 from ._protocol import Setup, Skipped, Strategy
 
-__all__ = ["PRECISION_DTYPES", "SingleProcess", "StepCalls", "holds_dtensors"]
+__all__ = ["PRECISION_DTYPES", "GradSyncOff", "SingleProcess", "StepCalls", "holds_dtensors"]
 
 # The dtype each half precision computes in: autocast's, and FSDP's parameters'.
 PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+_SYNC_FLAG = "require_backward_grad_sync"  # what DDP's no_sync() turns off, in its instance dictionary
+
+
+class GradSyncOff:
+    """DDP's ``no_sync()`` region, re-entrant, for a fraction of its cost (it runs on every micro-step).
+
+    DDP's own is a generator that sets its flag through ``nn.Module.__setattr__``, twice: about ten
+    Python calls. This one sets the same flag in the instance dictionary, and puts it back after.
+    """
+
+    __slots__ = ("_before", "model")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._before: list[bool] = []
+
+    def __enter__(self) -> None:
+        flags = self.model.__dict__
+        self._before.append(flags[_SYNC_FLAG])
+        flags[_SYNC_FLAG] = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.__dict__[_SYNC_FLAG] = self._before.pop()
 
 
 class StepCalls:
@@ -40,6 +65,7 @@ class SingleProcess:
 
     name = "single"
     owns_schedulers = False
+    steps_on_micro_steps = False
 
     def __init__(self, options: Options, device: torch.device) -> None:
         self.options = options
@@ -96,7 +122,7 @@ class SingleProcess:
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         if isinstance(model, nn.parallel.DistributedDataParallel):  # the common case first
-            return model.no_sync()
+            return GradSyncOff(model) if _SYNC_FLAG in model.__dict__ else model.no_sync()
         if callable(_method(model, "set_requires_gradient_sync")):  # fully_shard-ed (by ak.prepare or by hand)
             return self._gradient_sync_off(model)
         sync_off = _method(model, "no_sync")  # DDP's, under a torch.compile wrapper
@@ -145,9 +171,8 @@ class SingleProcess:
         scaler.update()
         return loss, calls.count == before  # GradScaler calls step() unless it found inf/NaN gradients
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool, *, boundary: bool) -> None:
-        if boundary:
-            optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     def unscale(self) -> None:
         if self.scaler is None or self._unscaled:

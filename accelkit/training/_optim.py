@@ -67,15 +67,18 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
         strategy = training.strategy or _state.strategy()
-        loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=training.sync_gradients)
+        boundary = training.sync_gradients
+        if not boundary and not strategy.steps_on_micro_steps:
+            return None  # an accumulation micro-step: the gradients are not complete yet
+        loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=boundary)
         if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
             self._skipped = skipped
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         training = _state.training
-        strategy = training.strategy or _state.strategy()
-        strategy.zero_grad(self.optimizer, set_to_none, boundary=training.sync_gradients)
+        if training.sync_gradients:  # not on accumulation micro-steps: their gradients add up
+            (training.strategy or _state.strategy()).zero_grad(self.optimizer, set_to_none)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -119,7 +119,8 @@ class accumulate(contextlib.ContextDecorator):
     __slots__ = ("_backwards", "_outer", "_steps", "_sync_off", "models", "steps")
 
     def __init__(self, *models: nn.Module, steps: int | None = None) -> None:
-        if steps is not None and (not is_int(steps) or steps < 1):
+        valid = steps is None or (type(steps) is int and steps >= 1)  # the common cases first: it runs every step
+        if not valid and (not is_int(steps) or steps < 1):
             raise ValueError(f"accelkit.accumulate(steps={steps!r}): expected an integer >= 1, e.g. steps=4")
         self.models = models
         self.steps = steps
