@@ -2,14 +2,16 @@
 
 Both loops see the same per-rank batches (the raw loop uses accelkit's shard order through
 a plain sampler), so their final losses must agree bit for bit. Per model size and
-accumulation setting, each loop is built once in the same two workers, and they run one epoch
-each in turn (paired rounds; epochs of whole accumulation cycles):
+accumulation setting, each loop is built once in the same two workers (in two launches, either
+built first in one), and they run one epoch each in turn (paired rounds; epochs of whole
+accumulation cycles):
 - steps/s over the whole loop (ratio accelkit / raw);
 - CPU per step: the main thread's CPU time (``time.thread_time``) over the whole loop, batch
   fetch to ``zero_grad``, divided by the steps: what accelkit adds per step, backward included,
   without the time a rank waits for the other's all-reduce (gloo's own threads do that work).
   The row's ``diff`` (accelkit - raw, median over the paired rounds) is the figure: many short
   rounds, as the machine's other load moves one round's figure by tens of µs;
+- a control: the hand-written loop against a copy of itself, measured the same way (tiny MLP);
 - peak RSS per worker, from separate launches of each loop alone.
 Run alone: ``python bench/train_step.py [--quick]``.
 """
@@ -116,14 +118,24 @@ def _accelkit_loop(size: str, steps: int, accumulation: int) -> Epoch:
     return epoch
 
 
-def paired_rounds(size: str, steps: int, accumulation: int, rounds: int) -> list[tuple[float, ...]]:
-    """In each worker: both loops built once, then one epoch of each in turn (either first in turn);
-    (raw s, raw CPU s, raw loss, ak ...) per round. Both models see the same batches and updates,
-    so their losses agree bit for bit every round."""
+LOOPS: dict[str, Callable[[str, int, int], Epoch]] = {"raw": _raw_loop, "accelkit": _accelkit_loop}
+
+
+def paired_rounds(
+    size: str, steps: int, accumulation: int, rounds: int, subject: str = "accelkit", subject_first: bool = False
+) -> list[tuple[float, ...]]:
+    """In each worker: the raw loop and ``subject``'s built once, in the order given, then one epoch of
+    each in turn (either first in turn); (raw s, raw CPU s, raw loss, subject's ...) per round. Both
+    models see the same batches and updates, so their losses agree bit for bit every round."""
     import accelkit as ak
 
     ak.state()  # join the group once
-    raw, ours = _raw_loop(size, steps, accumulation), _accelkit_loop(size, steps, accumulation)
+    if subject_first:
+        ours = LOOPS[subject](size, steps, accumulation)
+        raw = _raw_loop(size, steps, accumulation)
+    else:
+        raw = _raw_loop(size, steps, accumulation)
+        ours = LOOPS[subject](size, steps, accumulation)
     for _ in range(2):  # warm up both paths (DDP lays its buckets out again after the first step)
         raw(), ours()
     out = []
@@ -134,6 +146,21 @@ def paired_rounds(size: str, steps: int, accumulation: int, rounds: int) -> list
             ak_part = ours()
             out.append(raw() + ak_part)
     return out
+
+
+def both_orders(size: str, steps: int, accumulation: int, rounds: int, subject: str = "accelkit") -> list[Any]:
+    """Rank 0's rounds, half with each loop built first: the loop built second runs on memory laid out
+    after the first's, which moved the tiny MLP's figure by several µs either way in A/A runs."""
+    from accelkit.testing import run_distributed
+
+    half = max(1, rounds // 2)
+    return [
+        round_
+        for first in (False, True)
+        for round_ in run_distributed(
+            paired_rounds, (size, steps, accumulation, half, subject, first), task_timeout=900
+        )[0]
+    ]
 
 
 def peak_rss(kind: str, size: str, steps: int) -> int:
@@ -149,10 +176,9 @@ def run(quick: bool) -> list[Row]:
     from accelkit.testing import run_distributed
 
     rows: list[Row] = []
-    for size, steps, rounds in (("tiny", 48, 10 if quick else 150), ("medium", 12 if quick else 40, 3 if quick else 7)):
+    for size, steps, rounds in (("tiny", 48, 10 if quick else 150), ("medium", 12 if quick else 40, 4 if quick else 8)):
         for accumulation in (1, 4):
-            results = run_distributed(paired_rounds, (size, steps, accumulation, rounds), task_timeout=900)
-            rank0 = results[0]
+            rank0 = both_orders(size, steps, accumulation, rounds)
             raw_s, raw_cpu, raw_loss = (list(col) for col in zip(*[r[:3] for r in rank0], strict=True))
             ak_s, ak_cpu, ak_loss = (list(col) for col in zip(*[r[3:] for r in rank0], strict=True))
             label = f"{size} MLP, accumulation {accumulation}"
@@ -182,6 +208,8 @@ def run(quick: bool) -> list[Row]:
                     "n": len(ak_loss),
                 }
             )
+        if size == "tiny":
+            rows.extend(_control(steps, rounds))
         raw_rss = run_distributed(peak_rss, ("raw", size, steps))
         ak_rss = run_distributed(peak_rss, ("accelkit", size, steps))
         rows.append(
@@ -193,6 +221,26 @@ def run(quick: bool) -> list[Row]:
                 unit="MiB",
             )
         )
+    return rows
+
+
+def _control(steps: int, rounds: int) -> list[Row]:
+    """The hand-written loop against a second copy of itself, measured as accelkit's is: how far the
+    figure moves when nothing differs (its median diff should be about 0)."""
+    rows = []
+    for accumulation in (1, 4):
+        rank0 = both_orders("tiny", steps, accumulation, rounds, subject="raw")
+        first = [r[1] / steps * 1e6 for r in rank0]
+        second = [r[4] / steps * 1e6 for r in rank0]
+        row = paired_row(
+            f"CPU per step (thread time): tiny MLP, accumulation {accumulation}, hand-written "
+            "against itself (the measurement's spread)",
+            second,
+            first,
+            unit="us",
+        )
+        row["ok"] = None
+        rows.append(row)
     return rows
 
 
