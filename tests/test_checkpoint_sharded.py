@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -272,20 +273,19 @@ def read_fails_on_rank_1(root: str) -> str:
 
     model, opt = sharded_model()
     ak.save_state(f"{root}/a", model=model, optimizer=opt)
-    reader = _sharded._reader_type()
+    read_items = _sharded.read_items
 
     def broken_read(*args: Any, **kwargs: Any) -> Any:
         raise OSError(5, "Input/output error")
 
     if ak.rank() == 1:
-        reader.read_data = broken_read
+        _sharded.read_items = broken_read
     try:
         ak.load_state(f"{root}/a", model=model, optimizer=opt)
     except CheckpointError as exc:
         return str(exc)
     finally:
-        if ak.rank() == 1:
-            del reader.read_data
+        _sharded.read_items = read_items
     return "no error"
 
 
@@ -428,3 +428,69 @@ def test_plain_checkpoints_never_import_dcp(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# --- reading DCP's tensor archives straight from the mapped file -------------------------------
+
+LAYOUTS = {
+    "contiguous": lambda: torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    "transposed, whole storage": lambda: torch.arange(12, dtype=torch.float64).reshape(3, 4).t(),
+    "channels last, bf16": lambda: torch.randn(2, 3, 4, 5).to(torch.bfloat16, memory_format=torch.channels_last),
+    "bool": lambda: torch.tensor([True, False, True]),
+    "0-dim int8": lambda: torch.tensor(-7, dtype=torch.int8),
+    "empty": lambda: torch.empty(0, 3),
+}
+
+
+def archived(tensors: list[torch.Tensor], path: Path, deflate: bool = False) -> list[tuple[int, int]]:
+    """``tensors`` as DCP lays them out: ``torch.save`` archives one after another (CRC-32 off, as accelkit
+    writes them), each at an odd offset; their (offset, length)."""
+    from accelkit.checkpoint import _files
+
+    spans = []
+    with open(path, "wb") as f:
+        for tensor in tensors:
+            f.write(b"x" * 13)  # no alignment to count on
+            blob = io.BytesIO()
+            with _files.no_zip_crc() if not deflate else contextlib.nullcontext():
+                torch.save(tensor, blob)
+            data = blob.getvalue()
+            if deflate:  # the same records, compressed: not readable in place
+                import zipfile
+
+                with zipfile.ZipFile(io.BytesIO(data)) as src:
+                    out = io.BytesIO()
+                    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+                        for info in src.infolist():
+                            dst.writestr(info.filename, src.read(info.filename) if info.file_size else b"")
+                data = out.getvalue()
+            spans.append((f.tell(), len(data)))
+            f.write(data)
+    return spans
+
+
+def test_a_tensor_is_read_in_place_as_torch_load_reads_it(tmp_path: Path) -> None:
+    from accelkit.checkpoint import _sharded
+
+    tensors = [make() for make in LAYOUTS.values()]
+    path = tmp_path / "items.distcp"
+    spans = archived(tensors, path)
+    mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
+    with open(path, "rb") as f:
+        for name, tensor, (offset, length) in zip(LAYOUTS, tensors, spans, strict=True):
+            found = _sharded._mapped_tensor(f, mapped, offset, length)
+            assert found is not None, name
+            assert (found.dtype, found.shape, found.stride()) == (tensor.dtype, tensor.shape, tensor.stride()), name
+            assert torch.equal(found, tensor), name
+
+
+def test_an_archive_that_cannot_be_read_in_place_is_declined(tmp_path: Path) -> None:
+    from accelkit.checkpoint import _sharded
+
+    path = tmp_path / "deflated.distcp"
+    ((offset, length),) = archived([torch.arange(64.0)], path, deflate=True)
+    mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
+    with open(path, "rb") as f:
+        assert _sharded._mapped_tensor(f, mapped, offset, length) is None
+        archive: Any = _sharded._Slice(f, offset, length)  # what the reader loads instead, as DCP does
+        assert torch.equal(torch.load(archive, weights_only=True), torch.arange(64.0))

@@ -7,7 +7,8 @@ checksumming every file while writing (:class:`_HashingFileSystem`), so that the
 protocol of ``ak.save_state`` covers them as any other file. Loading reads ``.metadata``
 with a restricted unpickler, runs DCP's planning and unpickles every non-tensor item with
 ``torch.load(weights_only=True)`` first (:func:`load`); once every file is verified, the
-function it returns reads the shards straight into the live tensors, as ``dcp.load`` does.
+function it returns reads the shards into the live tensors, as ``dcp.load`` does, on the plan
+already made, each tensor copied once from the mapped file (:func:`read_items`).
 DCP reshards on load: a checkpoint saved by N processes loads on M, sharded or not.
 
 ``torch.distributed.checkpoint`` is imported here, inside functions: ``import accelkit``
@@ -21,7 +22,10 @@ import functools
 import io
 import os
 import pickle
+import struct
+import sys
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -161,12 +165,10 @@ def _single_process_is_meant() -> Iterator[None]:
         yield
 
 
-def _dcp_failure(exc: BaseException, ranked: bool = True) -> str:
-    """DCP's failure, each failed rank's error without its traceback (``ranked=False``: DCP ran on one rank)."""
+def _dcp_failure(exc: BaseException) -> str:
+    """DCP's failure, each failed rank's error without its traceback."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:  # DCP's CheckpointException: {rank: (exception, traceback)}
-        if not ranked:
-            return "; ".join(_first_line(failure[0]) for failure in failures.values())
         parts = [f"rank {rank}: {_first_line(failure[0])}" for rank, failure in sorted(failures.items())]
         return "torch.distributed.checkpoint failed on " + "; ".join(parts)
     return _first_line(exc)
@@ -227,33 +229,13 @@ def referenced_files(metadata: Any) -> set[str]:
 
 
 @functools.cache
-def _reader_type() -> type:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class _SafeReader(FileSystemReader):
-        def __init__(self, path: Path, metadata: Any) -> None:
-            super().__init__(path)
-            self.metadata = metadata  # read with read_metadata, checked
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = self.metadata
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return _SafeReader
-
-
-@functools.cache
 def _planner_type() -> type:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _SafePlanner(DefaultLoadPlanner):
-        def __init__(self, checked: frozenset[bytes] = frozenset()) -> None:
+        def __init__(self) -> None:
             super().__init__()
-            self.checked = checked  # items already unpickled as weights_only (by _check_items)
+            self.checked: set[bytes] = set()  # items already unpickled as weights_only (by _plan)
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             # DCP unpickles non-tensor items without restriction: check that they need no code first.
@@ -265,22 +247,22 @@ def _planner_type() -> type:
     return _SafePlanner
 
 
-def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> frozenset[bytes]:
-    """What ``dcp.load`` of ``state`` from ``folder`` would refuse before it writes a tensor, raised now.
+def _plan(folder: Path, state: dict[str, Any], metadata: Any) -> tuple[Any, Any]:
+    """DCP's planner and local plan for loading ``state`` from ``folder``; what DCP would refuse, raised now.
 
     DCP's own planning (keys, sizes) runs here, and every non-tensor item it would read is
-    unpickled as ``torch.load(weights_only=True)`` does, so that the in-place load that follows
-    meets nothing it refuses once it has begun. Returns those items' bytes: the same bytes read
-    again need no second check.
+    unpickled as ``torch.load(weights_only=True)`` does, so that the in-place read that follows
+    meets nothing it refuses once it has begun. The planner keeps those items' bytes: the same
+    bytes read again need no second check.
     """
     from torch.distributed.checkpoint.planner import LoadItemType
 
     planner = _planner_type()()
     planner.set_up_planner(state, metadata, False)
-    checked: set[bytes] = set()
+    plan = planner.create_local_plan()
     with contextlib.ExitStack() as files:
         opened: dict[str, Any] = {}  # each file opened once
-        for item in planner.create_local_plan().items:
+        for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
                 continue
             info = metadata.storage_data[item.storage_index]
@@ -297,8 +279,8 @@ def _check_items(folder: Path, state: dict[str, Any], metadata: Any) -> frozense
                 torch.load(io.BytesIO(data), weights_only=True)
             except Exception as exc:
                 raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
-            checked.add(data)
-    return frozenset(checked)
+            planner.checked.add(data)
+    return planner, plan
 
 
 def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Callable[[], None]:
@@ -306,19 +288,18 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Call
 
     The check raises CheckpointError when the checkpoint does not fit ``obj``: DCP's planning and
     every non-tensor item. Called once every file is verified, the function then meets nothing to
-    refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does. It reads this
-    rank's shards without DCP's collectives (``no_dist``: a load's global plan is every rank's own
-    plan), so the caller shares its outcome between the ranks, once for every object. ``metadata``
-    is the folder's, as :func:`read_metadata` read it: both use it, neither reads it again.
+    refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does, on the plan the
+    check made. It reads this rank's shards without DCP's collectives (a load's global plan is
+    every rank's own plan), so the caller shares its outcome between the ranks, once for every
+    object. ``metadata`` is the folder's, as :func:`read_metadata` read it: both use it, neither
+    reads it again.
     """
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     if isinstance(obj, nn.Module):
         module, optimizer = obj, None
@@ -334,22 +315,124 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Call
             target = get_model_state_dict(module)  # the live tensors
         else:
             target = get_optimizer_state_dict(module, optimizer)  # initialises a fresh optimizer's state
-        checked = _check_items(folder, target, metadata)
+        planner, plan = _plan(folder, target, metadata)
     except Exception as exc:
         if fresh and optimizer is not None:
             optimizer.state.clear()  # as it was
         raise CheckpointError(f"{failed} (nothing was changed): {_dcp_failure(exc)}") from exc
 
     def apply() -> None:
-        reader, planner = _reader_type()(folder, metadata), _planner_type()(checked)
+        # The rest of dcp.load for one process (no_dist), on the plan made above: planned once.
         try:
-            with _single_process_is_meant():
-                dcp_load(target, storage_reader=reader, planner=planner, no_dist=True)  # no collective
-        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise CheckpointError(f"{failed}: {_dcp_failure(exc, ranked=False)}") from exc
+            (central,) = planner.create_global_plan([plan])
+            read_items(folder, metadata, planner, planner.finish_plan(central))
+        except Exception as exc:
+            raise CheckpointError(f"{failed}: {_first_line(exc)}") from exc
         if optimizer is None:
             set_model_state_dict(module, target)
         else:
             set_optimizer_state_dict(module, optimizer, target)
 
     return apply
+
+
+def read_items(folder: Path, metadata: Any, planner: Any, plan: Any) -> None:
+    """What DCP's ``FileSystemReader.read_data`` does, with each tensor copied once.
+
+    DCP stores every tensor as a ``torch.save`` archive, and its reader loads each into a new
+    tensor before copying that into the target. Here each file is mapped, an archive's layout
+    is read without its data (``map_location="meta"``), and the target copies straight from
+    the mapped bytes. An archive laid out otherwise (another byte order, a compressed record)
+    is loaded as DCP loads it.
+    """
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    per_file: dict[str, list[Any]] = {}
+    for item in plan.items:
+        per_file.setdefault(str(metadata.storage_data[item.storage_index].relative_path), []).append(item)
+    for name, items in per_file.items():
+        path = folder / name
+        mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
+        with open(path, "rb") as f:
+            for item in items:
+                info = metadata.storage_data[item.storage_index]
+                if item.type == LoadItemType.BYTE_IO:
+                    f.seek(info.offset)
+                    planner.load_bytes(item, io.BytesIO(f.read(info.length)))
+                    continue
+                source = _mapped_tensor(f, mapped, info.offset, info.length)
+                if source is None:  # loaded as DCP loads it
+                    archive: Any = _Slice(f, info.offset, info.length)
+                    source = torch.load(archive, map_location="cpu", weights_only=True)
+                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    source = source.narrow(dim, offset, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != source.size():
+                    raise ValueError(
+                        f"{item.storage_index.fqn} in {name} is {tuple(source.size())}, not {tuple(target.size())}"
+                    )
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+
+
+def _mapped_tensor(f: Any, mapped: Any, offset: int, length: int) -> torch.Tensor | None:
+    """The tensor ``torch.save`` archived at ``offset`` in ``f``, over ``mapped`` (the file, mapped); None when
+    its archive is not one plain, uncompressed record in this host's byte order."""
+    archive: Any = _Slice(f, offset, length)  # a file of its own, to torch.load and zipfile
+    layout = torch.load(archive, map_location="meta", weights_only=True)  # reads no data
+    archive.seek(0)
+    with zipfile.ZipFile(archive) as zipped:  # its records' CRC-32 is not written (checksummed as a whole)
+        records = {info.filename.partition("/")[2]: info for info in zipped.infolist()}
+    data = [info for name, info in records.items() if name.startswith("data/")]
+    if not isinstance(layout, torch.Tensor) or len(data) != 1 or data[0].file_size != layout.untyped_storage().nbytes():
+        return None
+    start, order = _record_start(archive, data[0]), records.get("byteorder")  # none: little-endian, as torch reads it
+    if order is not None:
+        at = _record_start(archive, order)
+        archive.seek(at or 0)
+        if at is None or archive.read(order.file_size) != sys.byteorder.encode():
+            return None
+    if start is None:
+        return None
+    storage = mapped[offset + start : offset + start + data[0].file_size]
+    return torch.empty(0, dtype=layout.dtype).set_(storage, layout.storage_offset(), layout.size(), layout.stride())
+
+
+def _record_start(archive: Any, record: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of ``record`` start in ``archive``; None unless they are stored as they are, inside it."""
+    archive.seek(record.header_offset)
+    header = archive.read(30)  # the record's local header; its name and extra field follow
+    if record.compress_type != zipfile.ZIP_STORED or len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    start = record.header_offset + 30 + sum(struct.unpack("<HH", header[26:30]))
+    return start if start + record.file_size <= archive.seek(0, io.SEEK_END) else None
+
+
+class _Slice(io.RawIOBase):
+    """``length`` bytes of the open file ``f`` from ``offset``, as a file of their own (one DCP item)."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._offset, self._length, self._at = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, at: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = max(0, base + at)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as view:
+            wanted = max(0, min(len(view), self._length - self._at))
+            self._f.seek(self._offset + self._at)
+            got = self._f.readinto(view[:wanted])
+        self._at += got
+        return int(got)
