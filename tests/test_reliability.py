@@ -74,6 +74,13 @@ def session() -> Iterator[list[subprocess.Popen[str]]]:
         proc.communicate()
 
 
+def _temp_dir(tmp_path: Path) -> str:
+    """A temporary directory for a launcher a test kills: a kill -9 leaves its run directory (as torchrun's), here."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    return str(temp)
+
+
 def _start(session: list[subprocess.Popen[str]], argv: list[str], **env: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, *argv],
@@ -408,7 +415,7 @@ LIFELINE_PROBES = {
 def test_kill_9_of_the_launcher_takes_every_worker_along(
     launcher: str, tmp_path: Path, session: list[subprocess.Popen[str]]
 ) -> None:
-    proc = _start(session, LIFELINE_PROBES[launcher], REPORT_DIR=str(tmp_path))
+    proc = _start(session, LIFELINE_PROBES[launcher], REPORT_DIR=str(tmp_path), TMPDIR=_temp_dir(tmp_path))
     pids = _probe_pids(tmp_path, proc)
     killed = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
@@ -421,7 +428,7 @@ def test_kill_9_of_the_launcher_while_its_workers_start_takes_them_along(
     tmp_path: Path, session: list[subprocess.Popen[str]]
 ) -> None:
     # The workers are still importing the script (as after a slow `import torch`): none has run accelkit's code.
-    proc = _start(session, [str(SCRIPTS / "slow_start_probe.py")], REPORT_DIR=str(tmp_path))
+    proc = _start(session, [str(SCRIPTS / "slow_start_probe.py")], REPORT_DIR=str(tmp_path), TMPDIR=_temp_dir(tmp_path))
     if not _wait_until(lambda: len(list(tmp_path.glob("starting-*.pid"))) == 2 or proc.poll() is not None, 120):
         raise AssertionError("the workers did not start")
     pids = [int(p.read_text()) for p in tmp_path.glob("starting-*.pid")]
@@ -440,7 +447,8 @@ SIGNALS = [("accelkit launch", signal.SIGTERM), ("@ak.distributed", signal.SIGTE
 def test_sigterm_stops_every_rank_and_loader_worker(
     launcher: str, signum: int, tmp_path: Path, session: list[subprocess.Popen[str]]
 ) -> None:
-    proc = _start(session, LIFELINE_PROBES[launcher], REPORT_DIR=str(tmp_path))
+    temp = _temp_dir(tmp_path)
+    proc = _start(session, LIFELINE_PROBES[launcher], REPORT_DIR=str(tmp_path), TMPDIR=temp)
     pids = _probe_pids(tmp_path, proc)
     sent = time.monotonic()
     proc.send_signal(signum)
@@ -448,6 +456,8 @@ def test_sigterm_stops_every_rank_and_loader_worker(
     elapsed = time.monotonic() - sent
     assert elapsed < 35, f"the launcher took {elapsed:.1f} s (the agent's grace period is 30 s)"
     assert proc.returncode in (128 + signum, -signum), (proc.returncode, err[-3000:])
+    left = [name for name in os.listdir(temp) if name.startswith("accelkit-")]  # pymp-*: the killed ranks' loaders
+    assert not left, f"the launcher left {left} behind"
     assert _wait_until(lambda: not any(alive(pid) for pid in pids), 5), [p for p in pids if alive(p)]
     if launcher == "accelkit launch":
         assert "a collective that waits" not in err  # said with --debug and by `accelkit env` only
