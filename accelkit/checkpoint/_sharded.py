@@ -386,7 +386,7 @@ def _mapped_tensor(f: Any, mapped: Any, offset: int, length: int) -> torch.Tenso
     data = [info for name, info in records.items() if name.startswith("data/")]
     if not isinstance(layout, torch.Tensor) or len(data) != 1 or data[0].file_size != layout.untyped_storage().nbytes():
         return None
-    start, order = _record_start(archive, data[0]), records.get("byteorder")  # none: little-endian, as torch reads it
+    start, order = _record_start(archive, data[0]), records.get("byteorder")  # none: native, as torch reads it
     if order is not None:
         at = _record_start(archive, order)
         archive.seek(at or 0)
