@@ -273,7 +273,7 @@ def read_fails_on_rank_1(root: str) -> str:
 
     model, opt = sharded_model()
     ak.save_state(f"{root}/a", model=model, optimizer=opt)
-    read_items = _sharded.read_items
+    read_items = _sharded.read_items  # as the sharded load calls it
 
     def broken_read(*args: Any, **kwargs: Any) -> Any:
         raise OSError(5, "Input/output error")
@@ -470,7 +470,7 @@ def archived(tensors: list[torch.Tensor], path: Path, deflate: bool = False) -> 
 
 
 def test_a_tensor_is_read_in_place_as_torch_load_reads_it(tmp_path: Path) -> None:
-    from accelkit.checkpoint import _sharded
+    from accelkit.checkpoint import _dcp_read
 
     tensors = [make() for make in LAYOUTS.values()]
     path = tmp_path / "items.distcp"
@@ -478,19 +478,19 @@ def test_a_tensor_is_read_in_place_as_torch_load_reads_it(tmp_path: Path) -> Non
     mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
     with open(path, "rb") as f:
         for name, tensor, (offset, length) in zip(LAYOUTS, tensors, spans, strict=True):
-            found = _sharded._mapped_tensor(f, mapped, offset, length)
+            found = _dcp_read._mapped_tensor(f, mapped, offset, length)
             assert found is not None, name
             assert (found.dtype, found.shape, found.stride()) == (tensor.dtype, tensor.shape, tensor.stride()), name
             assert torch.equal(found, tensor), name
 
 
 def test_an_archive_that_cannot_be_read_in_place_is_declined(tmp_path: Path) -> None:
-    from accelkit.checkpoint import _sharded
+    from accelkit.checkpoint import _dcp_read
 
     path = tmp_path / "deflated.distcp"
     ((offset, length),) = archived([torch.arange(64.0)], path, deflate=True)
     mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
     with open(path, "rb") as f:
-        assert _sharded._mapped_tensor(f, mapped, offset, length) is None
-        archive: Any = _sharded._Slice(f, offset, length)  # what the reader loads instead, as DCP does
+        assert _dcp_read._mapped_tensor(f, mapped, offset, length) is None
+        archive: Any = _dcp_read._Slice(f, offset, length)  # what the reader loads instead, as DCP does
         assert torch.equal(torch.load(archive, weights_only=True), torch.arange(64.0))
