@@ -52,10 +52,15 @@ def _node(k: int, main: Host, rdzv: str, *extra: str, flags: tuple[str, ...] = (
 
 
 def _env(tmp_path: Path, rdzv: str) -> dict[str, str]:
-    """The nodes' environment: the report directory, a one-minute collective timeout, a config file."""
+    """The nodes' environment: the report directory, a one-minute collective timeout, a config file, and
+    a temporary directory of the test's own (a node a test kills leaves its launcher's run directory)."""
     config = tmp_path / "accelkit.yaml"
     config.write_text(f"rdzv_backend: {rdzv}\nrdzv_timeout: 120\n")
-    return subprocess_env(REPORT_DIR=str(tmp_path), ACCELKIT_TIMEOUT="60", ACCELKIT_CONFIG_FILE=str(config))
+    temp = tmp_path / "tmp"
+    temp.mkdir(exist_ok=True)
+    return subprocess_env(
+        REPORT_DIR=str(tmp_path), ACCELKIT_TIMEOUT="60", ACCELKIT_CONFIG_FILE=str(config), TMPDIR=str(temp)
+    )
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[tuple[int, str]]:
