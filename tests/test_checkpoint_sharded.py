@@ -269,23 +269,23 @@ def test_a_damaged_dcp_file_is_named_on_every_rank(pool: WorkerPool, tmp_path: P
 
 def read_fails_on_rank_1(root: str) -> str:
     """Save, then load while rank 1's reads of verified shards fail (a disk error): every rank's error."""
-    from accelkit.checkpoint import _sharded
+    from accelkit.checkpoint import _dcp_read
 
     model, opt = sharded_model()
     ak.save_state(f"{root}/a", model=model, optimizer=opt)
-    read_items = _sharded.read_items  # as the sharded load calls it
+    read_items = _dcp_read.read_items
 
     def broken_read(*args: Any, **kwargs: Any) -> Any:
         raise OSError(5, "Input/output error")
 
     if ak.rank() == 1:
-        _sharded.read_items = broken_read
+        _dcp_read.read_items = broken_read
     try:
         ak.load_state(f"{root}/a", model=model, optimizer=opt)
     except CheckpointError as exc:
         return str(exc)
     finally:
-        _sharded.read_items = read_items
+        _dcp_read.read_items = read_items
     return "no error"
 
 
@@ -470,6 +470,7 @@ def archived(tensors: list[torch.Tensor], path: Path, deflate: bool = False) -> 
 
 
 def test_a_tensor_is_read_in_place_as_torch_load_reads_it(tmp_path: Path) -> None:
+    """The file format on the CPU: mapped bytes against torch.load (a CUDA target copies from the same tensor)."""
     from accelkit.checkpoint import _dcp_read
 
     tensors = [make() for make in LAYOUTS.values()]

@@ -43,7 +43,7 @@ def no_sync_kept_and_entered_again() -> list[Any]:
     """Rank r's gradient of sum(w . x) is x = r + 1 per backward; an all-reduce averages the ranks'."""
     model = nn.Linear(3, 1, bias=False)
     model = ak.prepare(model)
-    x = torch.full((1, 3), float(ak.rank() + 1))
+    x = torch.full((1, 3), float(ak.rank() + 1), device=ak.device())
     region = ak.no_sync(model)
     seen = []
     with region:

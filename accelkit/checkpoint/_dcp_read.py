@@ -64,12 +64,15 @@ def _mapped_tensor(f: Any, mapped: Any, offset: int, length: int) -> torch.Tenso
     data = [info for name, info in records.items() if name.startswith("data/")]
     if not isinstance(layout, torch.Tensor) or len(data) != 1 or data[0].file_size != layout.untyped_storage().nbytes():
         return None
-    start, order = _record_start(archive, data[0]), records.get("byteorder")  # none: native, as torch reads it
+    order = records.get("byteorder")  # none: the host's order, as torch reads it
     if order is not None:
         at = _record_start(archive, order)
-        archive.seek(at or 0)
-        if at is None or archive.read(order.file_size) != sys.byteorder.encode():
+        if at is None:
             return None
+        archive.seek(at)
+        if archive.read(order.file_size) != sys.byteorder.encode():
+            return None
+    start = _record_start(archive, data[0])
     if start is None:
         return None
     storage = mapped[offset + start : offset + start + data[0].file_size]

@@ -176,7 +176,7 @@ def read(path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.P
     for name in objects:
         if name in body["sharded"]:
             folder = f"{name}{_sharded.SUFFIX}"
-            metadata[name] = _sharded.read_metadata(path / folder / ".metadata")
+            metadata[name] = _sharded.read_metadata(path / folder / _sharded.METADATA)
             unlisted = sorted(f"{folder}/{ref}" for ref in _sharded.referenced_files(metadata[name]))
             unlisted = [ref for ref in unlisted if ref not in files]
             if unlisted:

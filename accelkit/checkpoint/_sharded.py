@@ -34,9 +34,9 @@ from .. import _safe_io
 from ..errors import CheckpointError
 from ..training import PreparedOptimizer
 from . import _files
-from ._dcp_read import read_items
 
 __all__ = [
+    "METADATA",
     "SUFFIX",
     "check_listed",
     "load",
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SUFFIX = ".dcp"
-_METADATA = ".metadata"
+METADATA = ".metadata"  # DCP's metadata file, in each object's folder
 
 
 def torch_optimizer(obj: Any) -> Any:
@@ -321,9 +321,11 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Call
 
     def apply() -> None:
         # The rest of dcp.load for one process (no_dist), on the plan made above: planned once.
+        from . import _dcp_read
+
         try:
             (central,) = planner.create_global_plan([plan])
-            read_items(folder, metadata, planner, planner.finish_plan(central))
+            _dcp_read.read_items(folder, metadata, planner, planner.finish_plan(central))
         except Exception as exc:
             raise CheckpointError(f"{failed}: {_first_line(exc)}") from exc
         if optimizer is None:
