@@ -2,9 +2,9 @@
 
 Both loops see the same per-rank batches (the raw loop uses accelkit's shard order through
 a plain sampler), so their final losses must agree bit for bit. Per model size and
-accumulation setting, each loop is built once in the same two workers (in two launches, either
-built first in one), and they run one epoch each in turn (paired rounds; epochs of whole
-accumulation cycles):
+accumulation setting, each loop is built once in the same two workers (in several launches, each
+loop built first in half of them), and they run one epoch each in turn (paired rounds; epochs of
+whole accumulation cycles):
 - steps/s over the whole loop (ratio accelkit / raw);
 - CPU per step: the main thread's CPU time (``time.thread_time``) over the whole loop, batch
   fetch to ``zero_grad``, divided by the steps: what accelkit adds per step, backward included,
@@ -148,17 +148,20 @@ def paired_rounds(
     return out
 
 
-def both_orders(size: str, steps: int, accumulation: int, rounds: int, subject: str = "accelkit") -> list[Any]:
-    """Rank 0's rounds, half with each loop built first: the loop built second runs on memory laid out
-    after the first's, which moved the tiny MLP's figure by several µs either way in A/A runs."""
+def both_orders(
+    size: str, steps: int, accumulation: int, rounds: int, subject: str = "accelkit", launches: int = 6
+) -> list[Any]:
+    """Rank 0's rounds from ``launches`` launches, each loop built first in every other one: a loop's
+    figure moves by several µs with where its memory lands (which loop was built first, and luck that
+    changes from launch to launch: up to ±5 µs in A/A runs), so that the figure pools many builds."""
     from accelkit.testing import run_distributed
 
-    half = max(1, rounds // 2)
+    each = max(1, rounds // launches)
     return [
         round_
-        for first in (False, True)
+        for launch in range(launches)
         for round_ in run_distributed(
-            paired_rounds, (size, steps, accumulation, half, subject, first), task_timeout=900
+            paired_rounds, (size, steps, accumulation, each, subject, launch % 2 == 1), task_timeout=900
         )[0]
     ]
 
@@ -176,9 +179,11 @@ def run(quick: bool) -> list[Row]:
     from accelkit.testing import run_distributed
 
     rows: list[Row] = []
-    for size, steps, rounds in (("tiny", 48, 10 if quick else 150), ("medium", 12 if quick else 40, 4 if quick else 8)):
+    sizes = (("tiny", 48, 10 if quick else 180), ("medium", 12 if quick else 40, 4 if quick else 8))
+    for size, steps, rounds in sizes:
+        launches = 2 if quick or size != "tiny" else 6
         for accumulation in (1, 4):
-            rank0 = both_orders(size, steps, accumulation, rounds)
+            rank0 = both_orders(size, steps, accumulation, rounds, launches=launches)
             raw_s, raw_cpu, raw_loss = (list(col) for col in zip(*[r[:3] for r in rank0], strict=True))
             ak_s, ak_cpu, ak_loss = (list(col) for col in zip(*[r[3:] for r in rank0], strict=True))
             label = f"{size} MLP, accumulation {accumulation}"
@@ -209,7 +214,7 @@ def run(quick: bool) -> list[Row]:
                 }
             )
         if size == "tiny":
-            rows.extend(_control(steps, rounds))
+            rows.extend(_control(steps, rounds, launches))
         raw_rss = run_distributed(peak_rss, ("raw", size, steps))
         ak_rss = run_distributed(peak_rss, ("accelkit", size, steps))
         rows.append(
@@ -224,12 +229,12 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
-def _control(steps: int, rounds: int) -> list[Row]:
+def _control(steps: int, rounds: int, launches: int) -> list[Row]:
     """The hand-written loop against a second copy of itself, measured as accelkit's is: how far the
     figure moves when nothing differs (its median diff should be about 0)."""
     rows = []
     for accumulation in (1, 4):
-        rank0 = both_orders("tiny", steps, accumulation, rounds, subject="raw")
+        rank0 = both_orders("tiny", steps, accumulation, rounds, subject="raw", launches=launches)
         first = [r[1] / steps * 1e6 for r in rank0]
         second = [r[4] / steps * 1e6 for r in rank0]
         row = paired_row(

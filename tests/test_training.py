@@ -281,24 +281,35 @@ def test_unwrap_strips_ddp(pool: WorkerPool) -> None:
     assert pool.run(unwrapped_is_original) == [True, True]
 
 
-def forward_publishes_its_wait() -> tuple[str, str, str, str, int]:
-    """What this rank publishes during and after the prepared DDP's forward; its type's name, repr and hooks."""
-    from accelkit import _state
+def published_in_passes(steps: int) -> list[str]:
+    """What this rank's heartbeat publishes during the prepared DDP's forward, during ak.backward's
+    all-reduce (a micro-step's, then a boundary's), and after them; the model's hooks."""
+    from accelkit import _group, _state
+
+    heartbeat = _state.group.heartbeat
+
+    def published() -> str:
+        heartbeat.beat()  # as the heartbeat thread does, every second
+        return _group.read_positions(heartbeat.store, heartbeat.prefix, ak.world_size())[ak.rank()].doing
 
     seen = []
     inner = make_model()
-    inner.register_forward_hook(lambda module, args, out: seen.append(_state.group.now.doing))
+    inner.register_forward_hook(lambda module, args, out: seen.append(published()))
     model = ak.prepare(inner)
-    model(torch.randn(2, 4))
     hooks = len(model._forward_hooks) + len(model._forward_pre_hooks)
-    return seen[0], _state.group.now.doing, type(model).__mro__[1].__name__, repr(model).split("(")[0], hooks
+    inner[0].weight.register_hook(lambda grad: seen.append(published()))
+    for _ in range(steps):
+        with ak.accumulate(model, steps=steps):
+            ak.backward(model(torch.randn(2, 4)).sum())
+    return [*seen, published(), str(hooks)]
 
 
-def test_ddp_forward_publishes_that_it_may_wait_without_module_hooks(pool: WorkerPool) -> None:
-    # A rank left waiting for this one tells where it is (_group.meet); no hooks: torch's fast call path.
-    for during, after, base, shown, hooks in pool.run(forward_publishes_its_wait):
-        assert during == "a forward or backward pass that waits for the other processes"
-        assert (after, base, shown, hooks) == ("", "PreparedDDP", "PreparedDDP", 0)
+def test_ddp_passes_publish_that_they_may_wait_without_hooks_or_step_costs(pool: WorkerPool) -> None:
+    # A rank left waiting for this one tells where it is (_group.meet): its heartbeat finds the pass on
+    # its stack. No module hooks (torch's fast call path), nothing marked on the step path.
+    syncing = "a forward or backward pass that waits for the other processes"
+    for seen in pool.run(published_in_passes, 2):
+        assert seen == [syncing, "", syncing, syncing, "", "0"], seen
 
 
 def test_a_scheduler_built_on_the_prepared_optimizer_skips_with_it() -> None:

@@ -7,10 +7,11 @@ through the process group itself, so it still works when a collective is stuck o
 from ._board import Position, describe_missing, post_report, read_positions, read_reports
 from ._form import adopt, destroy, destroy_before_exit, form, reform, start_upkeep, unpin
 from ._handshake import handshake, job_facts
-from ._heartbeat import Heartbeat, wait_log_interval
+from ._heartbeat import PASSES_THAT_WAIT, Heartbeat, wait_log_interval
 from ._meet import SYNCING, meet
 
 __all__ = [
+    "PASSES_THAT_WAIT",
     "SYNCING",
     "Heartbeat",
     "Position",

@@ -17,12 +17,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import CodeType, FrameType
 from typing import Any
 
 from .. import _env, _frames
 from ._board import Position, describe_missing, find_conflict, publish, read_positions
+from ._meet import SYNCING
 
-__all__ = ["Heartbeat", "first_line_after", "heartbeat_period", "wait_log_interval"]
+__all__ = ["PASSES_THAT_WAIT", "Heartbeat", "first_line_after", "heartbeat_period", "wait_log_interval"]
 
 DEFAULT_INTERVAL = 30.0
 _TORCH = f"{os.sep}torch{os.sep}"  # the user's line is the one below torch's own frames
@@ -102,13 +105,14 @@ class Heartbeat(threading.Thread):
         now = g.now  # an immutable snapshot the collectives replace whole: read once
         op, seq, inside = now.op, now.seq, now.inside
         signature = f"{now.fingerprint:016x}" if inside else ""
-        where = self._where(now.thread or threading.main_thread().ident or 0)
-        state = (op, seq, inside, where, signature, now.doing)
+        where, in_pass = self._where(now.thread or threading.main_thread().ident or 0)
+        doing = now.doing or (SYNCING if in_pass else "")
+        state = (op, seq, inside, where, signature, doing)
         wall, mono = time.time(), time.monotonic()
         if state != self._last:
             since = wall - (mono - now.since) if now.since else wall
             publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, wall, signature,
-                                                      now.text if inside else "", now.doing))  # fmt: skip
+                                                      now.text if inside else "", doing))  # fmt: skip
             self._last = state
             self._reported = 0
             self._next_read = 2 * self.period
@@ -139,12 +143,28 @@ class Heartbeat(threading.Thread):
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     @staticmethod
-    def _where(thread: int) -> str:
+    def _where(thread: int) -> tuple[str, bool]:
+        """The user's line ``thread`` runs, and whether it is inside a pass that waits (``PASSES_THAT_WAIT``)."""
         frame = sys._current_frames().get(thread) if thread else None
         inner = frame
         while frame is not None and (_frames.is_ours(frame.f_code.co_filename) or _TORCH in frame.f_code.co_filename):
             frame = frame.f_back
-        frame = frame or inner  # all of it torch's (a script run by torch itself): the innermost line
-        if frame is None:
-            return "<not in Python code>"
-        return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        user = frame or inner  # all of it torch's (a script run by torch itself): the innermost line
+        if user is None:
+            return "<not in Python code>", False
+        return f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}", _in_pass(inner)
+
+
+# The code of the passes that may wait for the other ranks outside accelkit's collectives (DDP's
+# forward, ak.backward's all-reduce), each with what says whether it waits now. The heartbeat finds
+# them on the rank's stack and publishes SYNCING, so that the step path itself marks nothing.
+PASSES_THAT_WAIT: dict[CodeType, Callable[[], bool]] = {}
+
+
+def _in_pass(frame: FrameType | None) -> bool:
+    while frame is not None:
+        waits = PASSES_THAT_WAIT.get(frame.f_code)
+        if waits is not None and waits():
+            return True
+        frame = frame.f_back
+    return False

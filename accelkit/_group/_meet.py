@@ -37,7 +37,7 @@ def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, 
     """Wait until every rank reached the ``number``-th ``name`` of this group; raise when one never will.
 
     ``doing`` is what a rank publishes while it waits for the others outside the collectives (see
-    ``_state.doing``): a missing rank found doing it cannot reach this step.
+    ``PASSES_THAT_WAIT``): a missing rank found doing it cannot reach this step.
     """
     key = f"{board}/meet/{name}/{number}"
     store.set(f"{key}/{rank}", "1")

@@ -10,7 +10,6 @@ from ._build import configure, explicit_options, get, init, reform_group, strate
 from ._globals import (
     ProcessGlobals,
     close_group,
-    doing,
     group,
     hooks,
     is_initialized,
@@ -32,7 +31,6 @@ __all__ = [
     "TrainingState",
     "close_group",
     "configure",
-    "doing",
     "explicit_options",
     "get",
     "group",

@@ -18,7 +18,6 @@ __all__ = [
     "close_group",
     "close_saving",
     "current",
-    "doing",
     "group",
     "hooks",
     "is_initialized",
@@ -131,21 +130,6 @@ this_process = ProcessGlobals()
 training = this_process.training  # these three are the same objects for the life of the process
 group = this_process.group
 hooks = this_process.hooks
-
-
-class doing:
-    """``with _state.doing("..."):`` marks this rank's snapshot (``group.now``) for the heartbeat."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        group.now = group.now._replace(doing=self.what)
-
-    def __exit__(self, *exc: object) -> None:
-        group.now = group.now._replace(doing="")
 
 
 def peek() -> ProcessState | None:

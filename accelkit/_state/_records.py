@@ -128,7 +128,7 @@ class Now(NamedTuple):
     ``time.monotonic()`` when it entered (inside) or left it; ``thread``: the thread that called it;
     ``fingerprint`` and ``text``: the call, while inside (what two ranks in the same call share, and
     the call as the tables show it); ``doing``: a step that waits for the other ranks outside the
-    collectives (a backward pass that synchronises gradients), or "".
+    collectives (an FSDP forward, through its hooks), or "" (the heartbeat finds DDP's passes itself).
     """
 
     op: str

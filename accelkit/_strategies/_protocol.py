@@ -28,6 +28,10 @@ class Strategy(Protocol):
     options: Options  # the process state's options, read on the step path (an attribute, where ak.state() is a call)
     owns_schedulers: bool  # the strategy steps LR schedulers itself (their step() does nothing)
     steps_on_micro_steps: bool  # optimizer_step runs on accumulation micro-steps too (else only on boundaries)
+    # backward, optimizer_step and zero_grad are torch's own (``loss.backward()``, ``optimizer.step()``,
+    # ``optimizer.zero_grad()``) while ``scaler`` is None: the step path then calls torch directly.
+    torch_step: bool
+    scaler: Any  # the fp16 gradient scaler, or None
 
     def setup(
         self,

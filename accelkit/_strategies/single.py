@@ -66,6 +66,13 @@ class SingleProcess:
     name = "single"
     owns_schedulers = False
     steps_on_micro_steps = False
+    torch_step = True  # see Strategy.torch_step: False in a subclass with its own backward or step
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = ("backward", "optimizer_step", "zero_grad")
+        if "torch_step" not in cls.__dict__ and any(name in cls.__dict__ for name in own):
+            cls.torch_step = False  # its own step: the step path calls it
 
     def __init__(self, options: Options, device: torch.device) -> None:
         self.options = options

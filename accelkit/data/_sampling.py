@@ -105,7 +105,8 @@ def slice_rounds(
         chunk, real = current
         following = None
         if real == size:  # a complete round: another may follow
-            following = _round(list(islice(units, size)), head, layout)
+            units_next = list(islice(units, size))
+            following = (units_next, size) if len(units_next) == size else _round(units_next, head, layout)
         n += 1
         if following is None:
             record.padding, record.global_size = count(chunk[real:]), count(chunk)

@@ -70,6 +70,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         boundary = training.sync_gradients
         if not boundary and not strategy.steps_on_micro_steps:
             return None  # an accumulation micro-step: the gradients are not complete yet
+        if strategy.torch_step and strategy.scaler is None:  # torch's own step: nothing is skipped
+            self._skipped = False
+            return self.optimizer.step(closure)
         loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=boundary)
         if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
             self._skipped = skipped
@@ -78,7 +81,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         training = _state.training
         if training.sync_gradients:  # not on accumulation micro-steps: their gradients add up
-            (training.strategy or _state.strategy()).zero_grad(self.optimizer, set_to_none)
+            strategy = training.strategy or _state.strategy()
+            if strategy.torch_step:
+                self.optimizer.zero_grad(set_to_none)
+            else:
+                strategy.zero_grad(self.optimizer, set_to_none)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -13,10 +13,9 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch import nn
 
-from .. import _frames, _state
+from .. import _frames, _group, _state
 from .._options import is_int
 from .._strategies import Strategy
-from . import _waits
 from ._precision import MixedPrecisionModule
 
 __all__ = [
@@ -52,20 +51,19 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             _warn_once("outside accumulate", _OUTSIDE_ACCUMULATE, steps=steps)
     training.backward_calls += 1
     strategy = training.strategy or _state.strategy()
-    sync = training.sync_gradients
-    group = _state.group
-    marked = None
-    if sync and group.heartbeat is not None:
-        # Other ranks that wait for this one can tell where it is (_group.meet); inline, as _state.doing is 3 calls.
-        before, marked = _waits.marks
-        if group.now is not before:
-            before, marked = _waits.mark(group.now)
-        group.now = marked
-    try:
-        strategy.backward(loss, divide_by=training.accumulation_steps, boundary=sync, **kwargs)
-    finally:  # a collective may have replaced the snapshot meanwhile
-        if marked is not None:
-            group.now = before if group.now is marked else group.now._replace(doing="")
+    steps = training.accumulation_steps
+    if strategy.torch_step and strategy.scaler is None:  # torch's own: no call to the strategy, on every step
+        (loss / steps if steps > 1 else loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+    else:
+        strategy.backward(loss, divide_by=steps, boundary=training.sync_gradients, **kwargs)
+
+
+def _backward_waits() -> bool:
+    return _state.training.sync_gradients  # the gradients are all-reduced
+
+
+# A rank found in ak.backward on a boundary waits for the others: its heartbeat says so (_group.meet).
+_group.PASSES_THAT_WAIT[backward.__code__] = _backward_waits
 
 
 _OUTSIDE_ACCUMULATE = (
