@@ -174,6 +174,24 @@ def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(
     assert calls == [*micro, ("backward / 2", True), ("step", True), ("zero_grad", True)]
 
 
+def test_only_strategies_without_their_own_step_let_the_step_path_call_torch() -> None:
+    from accelkit._strategies.ddp import DDP
+    from accelkit._strategies.deepspeed import DeepSpeed
+    from accelkit._strategies.fsdp import FSDP
+    from accelkit._strategies.single import SingleProcess
+
+    class OwnZeroGrad(SingleProcess):
+        def zero_grad(self, optimizer: Any, set_to_none: bool) -> None:
+            pass
+
+    class SaysSo(OwnZeroGrad):
+        torch_step = True
+
+    found = {kind.__name__: kind.torch_step for kind in (SingleProcess, DDP, FSDP, DeepSpeed, OwnZeroGrad, SaysSo)}
+    expected = {"SingleProcess": True, "DDP": True, "FSDP": True, "DeepSpeed": False}
+    assert found == {**expected, "OwnZeroGrad": False, "SaysSo": True}
+
+
 def fp16_setup() -> tuple[nn.Module, Any, Any]:
     ak.init(precision="fp16")
     model = nn.Sequential(nn.Linear(2, 1, bias=False))
