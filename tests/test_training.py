@@ -117,7 +117,7 @@ def test_optimizer_and_scheduler_skip_micro_steps() -> None:
     lrs = []
     for _ in range(4):
         with ak.accumulate(model, steps=2):
-            ak.backward(model(torch.ones(2, 4)).sum())
+            ak.backward(model(torch.ones(2, 4, device=ak.device())).sum())
             changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
             opt.step()
             sched.step()
@@ -193,7 +193,7 @@ def test_only_strategies_without_their_own_step_let_the_step_path_call_torch() -
 
 
 def fp16_setup() -> tuple[nn.Module, Any, Any]:
-    ak.init(precision="fp16")
+    ak.init(precision="fp16", cpu=True)  # these tests read the CPU grad scaler's figures
     model = nn.Sequential(nn.Linear(2, 1, bias=False))
     nn.init.ones_(model[0].weight)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -261,7 +261,7 @@ def test_clip_grad_value() -> None:
 
 
 def test_bf16_region_and_nesting() -> None:
-    a = torch.ones(2, 2)
+    a = torch.ones(2, 2, device=ak.device())
     with ak.precision("bf16"):
         assert (a @ a).dtype == torch.bfloat16
         with ak.precision("no"):
@@ -318,7 +318,7 @@ def published_in_passes(steps: int) -> list[str]:
     inner[0].weight.register_hook(lambda grad: seen.append(published()))
     for _ in range(steps):
         with ak.accumulate(model, steps=steps):
-            ak.backward(model(torch.randn(2, 4)).sum())
+            ak.backward(model(torch.randn(2, 4, device=ak.device())).sum())
     return [*seen, published(), str(hooks)]
 
 

@@ -106,6 +106,7 @@ def slice_rounds(
         following = None
         if real == size:  # a complete round: another may follow
             units_next = list(islice(units, size))
+            # What _round makes of a complete one, without the call: the common case, once per batch.
             following = (units_next, size) if len(units_next) == size else _round(units_next, head, layout)
         n += 1
         if following is None:
