@@ -23,7 +23,7 @@ from test_checkpoint_sharded import assert_equal, run
 
 import accelkit as ak
 from accelkit import _safe_io, _state
-from accelkit.checkpoint import CheckpointError
+from accelkit.checkpoint import CheckpointError, _async
 from accelkit.testing import WorkerPool
 
 
@@ -112,6 +112,27 @@ def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, monkeypatch: p
     ak.wait_for_checkpoint()
     assert os.listdir(tmp_path) == ["b"] and saved_fill(tmp_path / "b") == 2.0  # pruned after the commit
     ak.wait_for_checkpoint()  # nothing in flight: returns at once
+
+
+def test_each_save_stages_anew_where_torchs_stager_closes_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager.stage
+
+    def stage_then_close(self: DefaultStager, state: Any, **kwargs: Any) -> Any:
+        staged = stage(self, state, **kwargs)
+        self.close()  # what torch < 2.13 does after each stage: a second stage then fails
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_then_close)
+    monkeypatch.setattr(_async, "_STAGER_KEEPS_BUFFERS", False)
+    for step in (1, 2, 3):  # a closed stager's copier is empty: it fails on the first dict
+        ak.save_state(tmp_path / f"s{step}", blocking=False, model=small_model(float(step)), step=step)
+    ak.wait_for_checkpoint()
+    assert [ak.read_checkpoint(tmp_path / f"s{step}")["step"] for step in (1, 2, 3)] == [1, 2, 3]
+    assert saved_fill(tmp_path / "s3") == 3.0
 
 
 def test_a_script_that_ends_right_after_the_call_still_commits(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 The call collects the state and agrees on the directory as a blocking save does, then copies
 every tensor into host memory (pinned when it comes from a GPU) with DCP's ``DefaultStager``,
 which keeps those buffers between saves: from the second save on, staging is a copy into memory
-already there. A background thread then runs the rest of the save (``_save.write``): each rank
+already there (from torch 2.13 on; before, the stager drops them after each stage, and each save
+takes a new one). A background thread then runs the rest of the save (``_save.write``): each rank
 writes and fsyncs its files, the ranks agree over a gloo group of their own (never the training
 loop's collectives), the main process commits, the ranks agree again, and then prune. Sharded
 objects go through ``dcp.save`` on that thread and group, as DCP's own ``async_save`` does.
@@ -22,6 +23,8 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from .. import _state
 from ..errors import CheckpointError
 from . import _save
@@ -29,16 +32,17 @@ from ._agree import Agreement, exchange_on
 
 __all__ = ["Saving", "finish", "start"]
 
+# Before 2.13, DCP's DefaultStager closes itself after each stage (its buffers dropped, its copier
+# emptied: a second stage fails), so each save stages with a new one there.
+_STAGER_KEEPS_BUFFERS = torch.__version__ >= "2.13"
+
 
 class Saving:
     """This process's save in flight, its outcome, and the staging buffers the next save reuses."""
 
     def __init__(self, pin_memory: bool) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        self.stager = DefaultStager(
-            StagingOptions(pin_memory, False, False, False)
-        )  # pinned, not shared, here, blocking
+        self.pin_memory = pin_memory
+        self.stager = self._new_stager()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.call = ""
@@ -57,6 +61,18 @@ class Saving:
         self.call, self.error = job.call, None
         self.thread = threading.Thread(target=run, name="accelkit-save-state")
         self.thread.start()
+
+    def _new_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(self.pin_memory, False, False, False))  # pinned, not shared, here, blocking
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with its tensors copied into host memory (the buffers of the last save, where they fit)."""
+        staged: dict[str, Any] = self.stager.stage(state)  # a dict: blocking
+        if not _STAGER_KEEPS_BUFFERS:  # torch closed the stager after staging: the next save needs a new one
+            self.stager = self._new_stager()
+        return staged
 
     def join(self) -> BaseException | None:
         """Wait for the save in flight, if any; its error, which is then forgotten."""
@@ -90,7 +106,7 @@ def start(job: _save.Job) -> None:
         saving = _state.training.saving = Saving(pin_memory=st.device.type == "cuda")
     contents, staging = job.contents, None
     try:
-        staged: Any = saving.stager.stage({"plain": contents.plain, "sharded": contents.sharded})  # a dict: blocking
+        staged = saving.stage({"plain": contents.plain, "sharded": contents.sharded})
         job = job._replace(contents=contents._replace(plain=staged["plain"], sharded=staged["sharded"]))
     except Exception as exc:  # out of host memory: the ranks still agree, in the background, that nothing is saved
         staging = exc
