@@ -106,6 +106,23 @@ def test_training_with_a_hook_converges(pool: WorkerPool, hook: dict[str, Any]) 
         assert torch.linalg.matrix_rank(g0[0]).item() == 1 < torch.linalg.matrix_rank(exact[0]).item()
 
 
+def train_as_if_beside_a_gpu(steps: int, **hook: Any) -> tuple[float, float]:
+    """``train`` where torch sees a GPU (answered True here, on any machine) and the model stays on the CPU."""
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True  # torch's PowerSGD then synchronises its (CPU) device with CUDA's calls
+    try:
+        first, last, _, _ = train(steps, **hook)
+    finally:
+        torch.cuda.is_available = available
+    return first, last
+
+
+@pytest.mark.distributed
+def test_power_sgd_trains_on_the_cpu_of_a_machine_with_a_gpu(pool: WorkerPool) -> None:
+    for first, last in pool.run(train_as_if_beside_a_gpu, 60, comm_hook="power_sgd", comm_hook_options=POWER_SGD):
+        assert last < 0.05 * first, (first, last)
+
+
 def test_batched_power_sgd_is_refused_where_torch_cannot_run_it(pool: WorkerPool) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 

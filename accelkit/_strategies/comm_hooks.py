@@ -61,6 +61,8 @@ class CommHook(NamedTuple):
         elif self.hook in _POWER_SGD:
             hook = powerSGD_hook.powerSGD_hook if self.hook == "power_sgd" else powerSGD_hook.batched_powerSGD_hook
             state = powerSGD_hook.PowerSGDState(group, **self.options)
+            if _on_the_cpu_beside_a_gpu(ddp):
+                hook = _without_cuda(hook)
         else:
             hook = default_hooks.fp16_compress_hook if self.hook == "fp16" else default_hooks.bf16_compress_hook
             state = group
@@ -70,6 +72,37 @@ class CommHook(NamedTuple):
         if "bf16" in (self.hook, self.wrapper) and dist.get_backend(group) == "gloo":
             hook = _renamed(hook)
         ddp.register_comm_hook(state, hook)
+
+
+def _on_the_cpu_beside_a_gpu(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    import torch
+
+    param = next(ddp.module.parameters(), None)
+    return param is not None and param.device.type == "cpu" and torch.cuda.is_available()
+
+
+def _without_cuda(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's PowerSGD ``hook`` as it runs where torch sees no GPU.
+
+    Its hooks call ``torch.cuda.synchronize(device)`` with the gradients' device whenever CUDA is
+    available, which fails for CPU gradients (a model on the CPU of a machine with GPUs, ``cpu=True``).
+    The copy reads ``torch`` from globals where ``torch.cuda.is_available()`` is False; the rest of
+    ``torch`` is the real one, and nothing is changed for anyone else.
+    """
+    import types
+
+    import torch
+
+    class _TorchWithoutCuda(types.ModuleType):
+        cuda = types.SimpleNamespace(is_available=lambda: False)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+    scope = {**hook.__globals__, "torch": _TorchWithoutCuda("torch")}
+    copy = types.FunctionType(hook.__code__, scope, hook.__name__, hook.__defaults__, hook.__closure__)
+    copy.__kwdefaults__ = hook.__kwdefaults__
+    return functools.update_wrapper(copy, hook)
 
 
 def _renamed(hook: Callable[..., Any]) -> Callable[..., Any]:
