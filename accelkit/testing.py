@@ -233,10 +233,11 @@ class WorkerPool:
             self.close()  # the next task starts a fresh group
         if not pending and not failures:
             return [results[r] for r in range(self.num_processes)]
+        stuck = bool(pending)
         for rank in pending:
             failures[rank] = _stuck(rank, self._procs[rank], timeout if not failures else self.grace)
-        if len(failures) < self.num_processes or any(f.exc_type == "" for f in failures.values()):
-            # Some ranks went on (or died): their collectives may be out of step. Start afresh.
+        if stuck or len(failures) < self.num_processes or any(f.exc_type == "" for f in failures.values()):
+            # Some ranks are stuck, went on or died: their collectives may be out of step. Start afresh.
             self.close()
         raise WorkerError(list(failures.values()), what="worker pool task")
 

@@ -7,6 +7,7 @@ the pin a worker that asks for ``cpu=False`` would then try to use it, and fail.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -32,6 +33,23 @@ def test_pool_workers_stay_on_the_cpu_in_every_task(monkeypatch: pytest.MonkeyPa
     with WorkerPool(2) as pool:
         assert pool.run(device_of_a_task) == ["cpu", "cpu"]
         assert pool.run(device_of_a_task) == ["cpu", "cpu"]  # a fresh training state, the same pin
+
+
+def rank_one_fails_while_rank_zero_is_stuck() -> None:
+    if ak.rank() == 1:
+        raise RuntimeError("rank 1 fails")
+    time.sleep(600)  # e.g. in a collective that waits for rank 1
+
+
+@pytest.mark.distributed
+def test_a_task_that_leaves_a_rank_stuck_restarts_the_pool() -> None:
+    with WorkerPool(2, grace=1.0) as pool:
+        first = pool.pids
+        with pytest.raises(ak.WorkerError, match=r"rank 1 failed: RuntimeError: rank 1 fails") as failed:
+            pool.run(rank_one_fails_while_rank_zero_is_stuck)
+        assert "rank 0 did not answer within 1 s" in str(failed.value)
+        assert pool.run(ak.rank, task_timeout=30) == [0, 1], "the next task runs on a fresh group"
+        assert set(pool.pids).isdisjoint(first)
 
 
 def device_across_a_restart() -> tuple[int, str, str]:
