@@ -297,6 +297,17 @@ def test_a_failing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_a_rank_that_dies_from_a_signal_is_named_with_where_it_was(tmp_path: Path) -> None:
+    code, _, err = _launch(tmp_path, "-n", "2", "--cpu", PROBE, "segv=1")
+    assert code == 1
+    report = err[err.index("accelkit: rank 1 failed") :]
+    assert report.startswith("accelkit: rank 1 failed: died from SIGSEGV"), report
+    crash = report[report.index("Fatal Python error: Segmentation fault") :].splitlines()
+    assert crash[2].strip().startswith("Current thread "), "the crashing thread's stack comes first"
+    assert f'File "{PROBE}", line' in crash[4] and "in main" in crash[4], crash
+
+
+@pytest.mark.distributed
 def test_code_disagreeing_with_a_launch_flag_is_an_error(tmp_path: Path) -> None:
     code, _, err = _launch(tmp_path, "-n", "2", "--cpu", "--precision", "bf16", PROBE, "init=fp16")
     assert code == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import re
@@ -57,6 +58,12 @@ def crash_first_attempt() -> int:
 def killed_by_signal() -> None:
     if ak.rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    ak.wait_for_everyone()
+
+
+def segfault_on_rank_one() -> None:
+    if ak.rank() == 1:
+        ctypes.string_at(0)  # reads address 0: what a crash in an extension looks like
     ak.wait_for_everyone()
 
 
@@ -134,6 +141,17 @@ def test_a_worker_killed_by_a_signal_is_named() -> None:
     failure = next(f for f in err.value.failures if f.rank == 1)
     assert failure.exitcode == -signal.SIGKILL
     assert "rank 1" in str(err.value) and "SIGKILL" in str(err.value)
+
+
+def test_a_worker_that_crashed_shows_where_it_was() -> None:
+    with pytest.raises(ak.WorkerError) as err:
+        run_distributed(segfault_on_rank_one)
+    failure = err.value.failures[0]
+    assert (failure.rank, failure.exitcode) == (1, -signal.SIGSEGV)
+    lines = failure.traceback.splitlines()
+    assert lines[0] == "Fatal Python error: Segmentation fault" and lines[2].startswith("Current thread ")
+    assert "in segfault_on_rank_one" in failure.traceback.split("\n\n")[1], "the crashing thread's own stack"
+    assert "died from SIGSEGV" in str(err.value) and "in segfault_on_rank_one" in str(err.value)
 
 
 def test_a_worker_stopped_with_sigterm_is_never_the_root_cause() -> None:

@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
         0
     """
     _die_with_launcher()
+    _record_crashes()
     module = bool(argv) and argv[0] in ("-m", "--module")
     if module:
         argv = argv[1:]
@@ -63,6 +64,17 @@ def _die_with_launcher() -> None:
     launcher = read_int(LAUNCHER_PID)
     if launcher is not None:
         die_with_parent(launcher)
+
+
+def _record_crashes() -> None:
+    """A death by signal (SIGSEGV in an extension) shows where it was (see :func:`accelkit.launcher.record_crashes`)."""
+    from .._env import RUN_DIR
+
+    run_dir = os.environ.get(RUN_DIR)
+    if run_dir:
+        from ..launcher import record_crashes
+
+        record_crashes(run_dir)
 
 
 def _report(exc: BaseException) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._agent import check_picklable, run_workers
     from ._entry_points import distributed, launch
-    from ._failures import collect_failures, exception_name, lost_peer, record_failure, report_stop
+    from ._failures import collect_failures, exception_name, lost_peer, record_crashes, record_failure, report_stop
     from ._launch_plan import LaunchPlan, plan_launch
     from ._lifeline import LoaderWorkerLifeline, die_with_parent
     from ._netif import describe_interfaces, route_to, socket_ifname_env
@@ -34,6 +34,7 @@ __all__ = [
     "launch",
     "lost_peer",
     "plan_launch",
+    "record_crashes",
     "record_failure",
     "report_stop",
     "route_to",
@@ -56,6 +57,7 @@ _HOMES = {
     "launch": "_entry_points",
     "lost_peer": "_failures",
     "plan_launch": "_launch_plan",
+    "record_crashes": "_failures",
     "record_failure": "_failures",
     "report_stop": "_failures",
     "route_to": "_netif",

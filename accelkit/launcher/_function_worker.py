@@ -126,12 +126,13 @@ def read_results(run_dir: str, ranks: list[int]) -> dict[int, Any]:
 def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
     from .. import _state
-    from ._failures import record_failure
+    from ._failures import record_crashes, record_failure
     from ._lifeline import die_with_parent
     from ._spec import FunctionRef
     from ._streams import apply_logging, whole_lines_to_notebook
 
     die_with_parent(job.launcher_pid)  # a launcher killed with SIGKILL takes its workers along
+    record_crashes(job.run_dir)  # a death by signal (SIGSEGV in an extension) shows where it was
     os.environ.update(job.env)
     whole_lines_to_notebook()
     if job.logging is not None:

@@ -1,7 +1,9 @@
 """Run by `accelkit launch` in the tests: one all_reduce, then each rank writes what it saw
 to $REPORT_DIR/rank<N>.json. Arguments it acts on: `fail=K` (rank K raises ValueError),
+`segv=K` (rank K dies from SIGSEGV),
 `init=MODE` (calls ak.init(precision=MODE)), `sleep` (waits to be interrupted)."""
 
+import ctypes
 import json
 import os
 import sys
@@ -43,6 +45,8 @@ def main() -> None:
     os.replace(f"{path}.tmp", path)
     if f"fail={st.rank}" in sys.argv:
         raise ValueError(f"bad batch on rank {st.rank}")
+    if f"segv={st.rank}" in sys.argv:
+        ctypes.string_at(0)  # reads address 0: what a crash in an extension looks like
     if "sleep" in sys.argv:
         time.sleep(600)
 
