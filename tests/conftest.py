@@ -22,6 +22,9 @@ os.environ["ACCELKIT_CONFIG_FILE"] = ""
 # their own, marked `gpu` (skipped without CUDA, run last, their CUDA work in workers or with
 # ACCELKIT_CPU unset), so that nothing initialises CUDA in this process before a test that forks.
 os.environ["ACCELKIT_CPU"] = "1"
+# torch.cuda.is_available() (the gpu tests' skip conditions, read at collection) asks NVML, not the CUDA
+# driver: a driver initialised here would fail the CUDA calls of the workers that later tests fork.
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 # Workers started by the tests share two cores: one thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -56,9 +59,11 @@ _NOT_OURS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 @pytest.fixture(autouse=True)
-def hygiene() -> Iterator[None]:
-    """Reset accelkit; fail on leaked env vars, process groups, threads and child processes."""
+def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Reset accelkit; fail on leaked env vars, process groups, threads and child processes, and on CUDA
+    initialised here by a test not marked ``gpu``."""
     ak.reset_state()
+    cuda_before = torch.cuda.is_initialized()
     env = dict(os.environ)
     threads = set(threading.enumerate())
     children = _children()
@@ -81,6 +86,8 @@ def hygiene() -> Iterator[None]:
     leaked = _alive(_children() - children - pool_pids)
     if leaked:
         problems.append(f"child processes left running: {sorted(leaked)}")
+    if torch.cuda.is_initialized() and not cuda_before and request.node.get_closest_marker("gpu") is None:
+        problems.append("CUDA was initialised in the test process (later tests that fork fail): do it in workers")
     if problems:
         pytest.fail("test hygiene: " + "; ".join(problems))
 

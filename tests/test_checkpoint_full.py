@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_checkpoint_sharded import assert_equal, full_state, plain_model, sharded_model, train_step
+from test_checkpoint_sharded import assert_equal, full_state, plain_model, shard_by_hand, sharded_model, train_step
 from torch import nn
 
 import accelkit as ak
@@ -107,13 +107,9 @@ class TinyLM(nn.Module):
 
 def tiny_lm_run(out: str) -> tuple[dict[str, torch.Tensor], str]:
     """FSDP, a few steps, then save_pretrained both ways: (the full weights by hand, the error without state_dict)."""
-    from torch.distributed.fsdp import fully_shard
-
-    ak.state()
     torch.manual_seed(0)
     model = TinyLM()
-    fully_shard(model.block)
-    fully_shard(model)
+    shard_by_hand(model.block, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.arange(8).reshape(2, 4) + ak.rank()
     for _ in range(2):

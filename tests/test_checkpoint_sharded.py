@@ -38,14 +38,20 @@ def plain_model(seed: int = 0) -> nn.Sequential:
 
 def sharded_model(seed: int = 0) -> tuple[nn.Module, Any]:
     """A ``fully_shard``-ed model (by hand) and its prepared AdamW; needs the process group."""
+    model = plain_model(seed)
+    shard_by_hand(model[0], model[2], model)
+    return model, ak.prepare(torch.optim.AdamW(model.parameters(), lr=0.05))
+
+
+def shard_by_hand(*modules: nn.Module) -> None:
+    """``fully_shard`` each module over the ranks on ``ak.device()``: without a mesh, torch shards onto
+    the GPU whenever one is visible, a test that runs on the CPU too."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    ak.state()
-    model = plain_model(seed)
-    fully_shard(model[0])
-    fully_shard(model[2])
-    fully_shard(model)
-    return model, ak.prepare(torch.optim.AdamW(model.parameters(), lr=0.05))
+    mesh = init_device_mesh(ak.device().type, (ak.world_size(),))
+    for module in modules:
+        fully_shard(module, mesh=mesh)
 
 
 def train_step(model: nn.Module, opt: Any, step: int) -> None:

@@ -101,6 +101,14 @@ def test_hidden_gpus_are_not_listed(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- accelkit env ----------------------------------------------------------------------------
 
 
+@pytest.fixture
+def gpus_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`accelkit env` in this process reads no GPU's properties, which would initialise CUDA here (the
+    command runs in a process of its own: test_env_runs_as_a_command)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.usefixtures("gpus_unseen")
 def test_env_prints_versions_and_sections(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACCELKIT_LOG_LEVEL", "debug")
     assert cli(["env"]) == 0
@@ -115,6 +123,7 @@ def test_env_prints_versions_and_sections(capsys: pytest.CaptureFixture[str], mo
     assert "### Warnings for 1 process on this node\n" in out
 
 
+@pytest.mark.usefixtures("gpus_unseen")
 def test_env_reports_the_config_file_and_its_warnings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_config(tmp_path, "num_processes: 4096\nprecision: bf16\ncpu: true\n")
     assert cli(["env", "--config-file", str(path)]) == 0
@@ -125,6 +134,7 @@ def test_env_reports_the_config_file_and_its_warnings(tmp_path: Path, capsys: py
     assert f"4096 processes on {_sysinfo.usable_cpus()} CPU cores" in out
 
 
+@pytest.mark.usefixtures("gpus_unseen")
 def test_env_names_the_interface_a_multi_node_launch_binds_to(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,6 +153,7 @@ def test_env_names_the_interface_a_multi_node_launch_binds_to(
     assert "- main process: 127.0.0.2: GLOO_SOCKET_IFNAME='eth9': 'eth9' cannot carry this job: this machine" in out
 
 
+@pytest.mark.usefixtures("gpus_unseen")
 def test_env_reports_a_broken_config_file_instead_of_failing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -278,10 +278,11 @@ import accelkit as ak
 for name in ak.__all__:
     getattr(ak, name)
 model = ak.prepare(torch.nn.Linear(2, 1))
+x = torch.ones(1, 2, device=ak.device())
 with ak.accumulate(model, steps=2):
-    ak.backward(model(torch.ones(1, 2)).sum())
+    ak.backward(model(x).sum())
 with ak.no_sync(model):
-    ak.backward(model(torch.ones(1, 2)).sum())
+    ak.backward(model(x).sum())
 ak.clip_grad_norm_(model.parameters(), 1.0)
 print(json.dumps(sorted(m for m in sys.modules if m.startswith(("torch.distributed.fsdp", "deepspeed")))))
 """
