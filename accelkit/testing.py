@@ -12,7 +12,10 @@ after a restart, and when a task resets the state (``ak.reset_state()``, then ``
 whatever the machine has. ``device="cuda"`` puts every rank on the one visible GPU (cuda:0),
 over gloo, which moves CUDA tensors through host memory: multi-process CUDA paths (DDP, the
 loader, ``gather_for_metrics``, the collectives) can be tested on a single-GPU machine. Both
-are pinned through ``ACCELKIT_TEST_DEVICE`` in the workers' environment.
+are pinned through ``ACCELKIT_TEST_DEVICE`` in the workers' environment. (FSDP2 trains there,
+but DTensor's gathers, ``full_tensor()`` and so ``ak.full_state_dict`` of a sharded model, go
+through torch's functional collectives, which crashed gloo with CUDA tensors in torch 2.11:
+compare each rank's shard, ``to_local()``, instead.)
 
 Functions sent to workers must be defined at module level (workers import them by name).
 """
