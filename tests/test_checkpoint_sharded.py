@@ -423,6 +423,29 @@ def test_misuse_says_what_and_how_to_fix(pool: WorkerPool, tmp_path: Path) -> No
     assert not (tmp_path / "stray").exists()
 
 
+def save_without_numpy(root: str) -> str:
+    model, opt = sharded_model()
+    numpy = sys.modules.get("numpy")
+    sys.modules["numpy"] = None  # type: ignore[assignment]  # `import numpy` fails, as where it is not installed
+    try:
+        ak.save_state(f"{root}/ckpt", model=model, optimizer=opt)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        del sys.modules["numpy"]
+        if numpy is not None:
+            sys.modules["numpy"] = numpy
+    return "no error"
+
+
+def test_a_sharded_save_without_numpy_fails_on_every_rank_before_dcp_begins(pool: WorkerPool, tmp_path: Path) -> None:
+    # DCP's object collectives call Tensor.numpy(): without numpy, rank 0 failed after its gather, rank 1 waited on.
+    for message in pool.run(save_without_numpy, str(tmp_path), task_timeout=60):
+        assert "nothing was committed" in message and "need numpy (Tensor.numpy())" in message
+        assert "pip install numpy" in message
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_plain_checkpoints_never_import_dcp(tmp_path: Path) -> None:
     code = (
         "import sys, torch, accelkit as ak\n"

@@ -33,7 +33,7 @@ from torch import nn
 from .. import _safe_io
 from ..errors import CheckpointError
 from ..training import PreparedOptimizer
-from . import _files
+from . import _files, _rank_state
 
 __all__ = [
     "METADATA",
@@ -135,6 +135,11 @@ def save(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+    if distributed and _rank_state.numpy_missing():  # every rank says so, before DCP's first collective
+        raise CheckpointError(
+            "a sharded object is saved by torch.distributed.checkpoint, whose plan travels through torch's object "
+            "collectives, and those need numpy (Tensor.numpy()), which cannot be imported here: pip install numpy"
+        )
     writer = FileSystemWriter(folder, sync_files=False, thread_count=1, overwrite=False)  # open_hashed fsyncs
     fs = writer.fs = _filesystem_type()(flusher)
     try:
