@@ -170,8 +170,13 @@ def _start_watchdog(job: Job) -> threading.Timer:
     main = threading.main_thread()
 
     def expire() -> None:
-        frame = sys._current_frames().get(main.ident or -1)
+        frames = sys._current_frames()
+        frame = frames.get(main.ident or -1)
         where = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        for thread in threading.enumerate():  # a wait on the main thread is often a wait for another thread
+            other = frames.get(thread.ident or -1)
+            if thread is not main and other is not None and thread is not threading.current_thread():
+                where += f"thread {thread.name!r} was at:\n" + "".join(traceback.format_stack(other))
         rank = _env.read_int("RANK") or 0
         exc = TimeoutError(f"rank {rank} did not finish within {job.watchdog:g} s")
         record_failure(job.run_dir, exc, f"{exc}; it was at:\n{where}")
