@@ -172,6 +172,19 @@ def test_a_hung_worker_times_out_and_says_where_it_was() -> None:
     assert "time.sleep(600)" in str(err.value)
 
 
+def wait_for_a_helper_thread() -> None:
+    helper = threading.Thread(target=lambda: time.sleep(600), name="slow-helper", daemon=True)
+    helper.start()
+    helper.join()
+
+
+def test_a_timed_out_worker_says_where_its_other_threads_were() -> None:
+    with pytest.raises(ak.WorkerError) as err:
+        run_distributed(wait_for_a_helper_thread, num_processes=1, task_timeout=3)
+    text = str(err.value)
+    assert text.index("helper.join()") < text.index("thread 'slow-helper' was at:") < text.index("time.sleep(600)")
+
+
 def test_one_process_runs_here() -> None:
     pid = os.getpid()
     assert ak.launch(os.getpid, num_processes=1) == pid
