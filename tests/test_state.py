@@ -216,6 +216,19 @@ def test_unsupported_accelerator_says_what_is_missing(tmp_path: object, monkeypa
     assert "torch_xla" not in sys.modules
 
 
+def test_counting_the_gpus_for_a_launch_leaves_the_cuda_driver_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.is_available() initialises the driver (unless PYTORCH_NVML_BASED_CUDA_CHECK=1), and a notebook
+    # process that did cannot fork workers that use CUDA; device_count() asks NVML.
+    from accelkit._backends import local_device_count
+
+    def initialises_the_driver() -> bool:
+        raise AssertionError("torch.cuda.is_available() was called")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initialises_the_driver)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert local_device_count() == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_device_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,10 @@ class CUDABackend:
         self.dist_backend = "gloo" if shared else "nccl"
 
     def is_available(self) -> bool:
-        return torch.cuda.is_available()
+        # Counted through NVML, as torch.cuda.is_available() counts with PYTORCH_NVML_BASED_CUDA_CHECK=1:
+        # the CUDA driver stays uninitialised here, so a notebook that asks (ak.launch counting its
+        # GPUs) can still fork workers that use CUDA.
+        return torch.cuda.device_count() > 0
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
