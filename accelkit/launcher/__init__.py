@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._agent import check_picklable, run_workers
+    from ._crashes import record_crashes
     from ._entry_points import distributed, launch
-    from ._failures import collect_failures, exception_name, lost_peer, record_crashes, record_failure, report_stop
+    from ._failures import collect_failures, exception_name, lost_peer, record_failure, report_stop
     from ._launch_plan import LaunchPlan, plan_launch
     from ._lifeline import LoaderWorkerLifeline, die_with_parent
     from ._netif import describe_interfaces, route_to, socket_ifname_env
@@ -57,7 +58,7 @@ _HOMES = {
     "launch": "_entry_points",
     "lost_peer": "_failures",
     "plan_launch": "_launch_plan",
-    "record_crashes": "_failures",
+    "record_crashes": "_crashes",
     "record_failure": "_failures",
     "report_stop": "_failures",
     "route_to": "_netif",

@@ -17,50 +17,9 @@ from typing import Any
 
 from .. import _env, _frames, _safe_io
 from ..errors import ConfigurationError, WorkerError, WorkerFailure
+from ._crashes import crash_stacks
 
-__all__ = [
-    "RestartNotice",
-    "collect_failures",
-    "exception_name",
-    "lost_peer",
-    "record_crashes",
-    "record_failure",
-    "report_stop",
-]
-
-_CRASHES = "crashes"
-_CRASH_LINES = 80  # of the Python stacks a fatal signal left: the crashing thread's come first
-_crash_file: Any = None  # open for as long as the process lives: faulthandler writes to its descriptor
-
-
-def record_crashes(run_dir: str) -> None:
-    """Where this worker dies from a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL), its
-    Python stacks go to the run directory, and :func:`collect_failures` shows them under its rank.
-
-    A process that has ``faulthandler`` on already (``PYTHONFAULTHANDLER``, ``-X faulthandler``) keeps it
-    as it is.
-    """
-    global _crash_file
-    import faulthandler
-
-    if faulthandler.is_enabled():
-        return
-    folder = os.path.join(run_dir, _CRASHES)
-    os.makedirs(folder, exist_ok=True)
-    _crash_file = open(os.path.join(folder, f"{os.getpid()}.txt"), "w")
-    faulthandler.enable(_crash_file, all_threads=True)
-
-
-def _crash_stacks(run_dir: str, pid: int | None) -> str:
-    """What :func:`record_crashes` caught in process ``pid``, the crashing thread first; "" if nothing."""
-    try:
-        with open(os.path.join(run_dir, _CRASHES, f"{pid}.txt")) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    blocks = [b for b in text.strip().split("\n\n") if not b.startswith("Extension modules:")]
-    blocks.sort(key=lambda b: not b.startswith(("Fatal Python error", "Current thread")))  # stable: the error first
-    return "\n".join("\n\n".join(blocks).splitlines()[:_CRASH_LINES])
+__all__ = ["RestartNotice", "collect_failures", "exception_name", "lost_peer", "record_failure", "report_stop"]
 
 
 def record_failure(run_dir: str, exc: BaseException, text: str | None = None) -> None:
@@ -141,7 +100,7 @@ def collect_failures(run_dir: str, agent_failures: dict[int, Any], cause: str = 
         seen = agent_failures.get(rank)
         report = reports.get(rank, {})
         if not report and (getattr(seen, "exitcode", None) or 0) < 0:  # a death by signal: where it was
-            report = {"traceback": _crash_stacks(run_dir, getattr(seen, "pid", None))}
+            report = {"traceback": crash_stacks(run_dir, getattr(seen, "pid", None))}
         failures.append(
             WorkerFailure(
                 rank=rank,

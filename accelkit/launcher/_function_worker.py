@@ -126,7 +126,8 @@ def read_results(run_dir: str, ranks: list[int]) -> dict[int, Any]:
 def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
     from .. import _state
-    from ._failures import record_crashes, record_failure
+    from ._crashes import record_crashes
+    from ._failures import record_failure
     from ._lifeline import die_with_parent
     from ._spec import FunctionRef
     from ._streams import apply_logging, whole_lines_to_notebook
