@@ -93,13 +93,17 @@ def _without_cuda(hook: Callable[..., Any]) -> Callable[..., Any]:
 
     import torch
 
-    class _TorchWithoutCuda(types.ModuleType):
-        cuda = types.SimpleNamespace(is_available=lambda: False)
+    class _Seen(types.ModuleType):  # a module's attributes, but for those set here
+        def __init__(self, real: types.ModuleType, **changed: Any) -> None:
+            super().__init__(real.__name__)
+            self.__dict__.update(changed)
+            self._real = real
 
         def __getattr__(self, name: str) -> Any:
-            return getattr(torch, name)
+            return getattr(self._real, name)
 
-    scope = {**hook.__globals__, "torch": _TorchWithoutCuda("torch")}
+    cuda = _Seen(torch.cuda, is_available=lambda: False)
+    scope = {**hook.__globals__, "torch": _Seen(torch, cuda=cuda)}
     copy = types.FunctionType(hook.__code__, scope, hook.__name__, hook.__defaults__, hook.__closure__)
     copy.__kwdefaults__ = hook.__kwdefaults__
     return functools.update_wrapper(copy, hook)
