@@ -61,7 +61,7 @@ class CommHook(NamedTuple):
         elif self.hook in _POWER_SGD:
             hook = powerSGD_hook.powerSGD_hook if self.hook == "power_sgd" else powerSGD_hook.batched_powerSGD_hook
             state = powerSGD_hook.PowerSGDState(group, **self.options)
-            if _on_the_cpu_beside_a_gpu(ddp):
+            if _on_the_cpu(ddp):
                 hook = _without_cuda(hook)
         else:
             hook = default_hooks.fp16_compress_hook if self.hook == "fp16" else default_hooks.bf16_compress_hook
@@ -74,11 +74,9 @@ class CommHook(NamedTuple):
         ddp.register_comm_hook(state, hook)
 
 
-def _on_the_cpu_beside_a_gpu(ddp: nn.parallel.DistributedDataParallel) -> bool:
-    import torch
-
+def _on_the_cpu(ddp: nn.parallel.DistributedDataParallel) -> bool:
     param = next(ddp.module.parameters(), None)
-    return param is not None and param.device.type == "cpu" and torch.cuda.is_available()
+    return param is not None and param.device.type == "cpu"
 
 
 def _without_cuda(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,7 +85,8 @@ def _without_cuda(hook: Callable[..., Any]) -> Callable[..., Any]:
     Its hooks call ``torch.cuda.synchronize(device)`` with the gradients' device whenever CUDA is
     available, which fails for CPU gradients (a model on the CPU of a machine with GPUs, ``cpu=True``).
     The copy reads ``torch`` from globals where ``torch.cuda.is_available()`` is False; the rest of
-    ``torch`` is the real one, and nothing is changed for anyone else.
+    ``torch`` is the real one, and nothing is changed for anyone else. Every CPU model gets it: where
+    torch sees no GPU anyway, it runs as the original does.
     """
     import types
 

@@ -16,12 +16,10 @@ def mark_waits(model: nn.Module) -> nn.Module:
     buckets and broadcasts buffers there; FSDP gathers parameters): a rank left waiting for this one
     can tell where it is (see ``_group.meet``). Returns ``model``.
 
-    DDP's forward is found on the rank's stack by the heartbeat (module hooks would send every
-    forward through torch's slower hooked call path); other modules publish through hooks.
+    DDP's forward, any DDP's, is found on the rank's stack by the heartbeat (module hooks would send
+    every forward through torch's slower hooked call path); FSDP modules publish through hooks.
     """
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        _group.PASSES_THAT_WAIT[nn.parallel.DistributedDataParallel.forward.__code__] = _always
-    elif hasattr(model, "reshard"):
+    if hasattr(model, "reshard"):
         model.register_forward_pre_hook(_waiting)
         model.register_forward_hook(_done_waiting, always_call=True)
     return model
@@ -29,6 +27,10 @@ def mark_waits(model: nn.Module) -> nn.Module:
 
 def _always() -> bool:
     return True
+
+
+# A rank found in DDP's forward may wait for the others (as ak.backward on a boundary: training._step).
+_group.PASSES_THAT_WAIT[nn.parallel.DistributedDataParallel.forward.__code__] = _always
 
 
 def _waiting(module: nn.Module, args: Any) -> None:
