@@ -1,16 +1,18 @@
 """Training-step cost: accelkit's four-line loop vs a hand-written DDP loop, 2 gloo processes.
 
 Both loops see the same per-rank batches (the raw loop uses accelkit's shard order through
-a plain sampler), so their final losses must agree bit for bit. Per model size and
-accumulation setting, each loop is built once in the same two workers (in several launches, each
-loop built first in half of them), and they run one epoch each in turn (paired rounds; epochs of
-whole accumulation cycles):
-- steps/s over the whole loop (ratio accelkit / raw);
-- CPU per step: the main thread's CPU time (``time.thread_time``) over the whole loop, batch
-  fetch to ``zero_grad``, divided by the steps: what accelkit adds per step, backward included,
-  without the time a rank waits for the other's all-reduce (gloo's own threads do that work).
-  The row's ``diff`` (accelkit - raw, median over the paired rounds) is the figure: many short
-  rounds, as the machine's other load moves one round's figure by tens of µs;
+a plain sampler) and make the same updates, so their losses must agree bit for bit. Per model size
+and accumulation setting, each loop is built once in the same two workers (each built first in half
+of the launches: where a loop's memory lands moves its figure by several µs), and then they take
+**one step each in turn**, in an order drawn at random for each pair (the same on both ranks: the
+all-reduce pairs them up), so that what the machine's other load does to one step, it does to the
+other's neighbour too:
+- CPU per step: the main thread's CPU time (``time.thread_time``) of each step, batch fetch to
+  ``zero_grad``: what accelkit adds per step, backward included, without the time a rank waits for
+  the other's all-reduce (gloo's own threads do that work). The pairs are pooled into blocks of one
+  epoch's steps; the row's ``diff`` is the median over the blocks of (accelkit - raw) per step,
+  as is each side's figure;
+- steps/s: the same blocks' wall time;
 - a control: the hand-written loop against a copy of itself, measured the same way (tiny MLP);
 - peak RSS per worker, from separate launches of each loop alone.
 Run alone: ``python bench/train_step.py [--quick]``.
@@ -19,10 +21,11 @@ Run alone: ``python bench/train_step.py [--quick]``.
 from __future__ import annotations
 
 import os
+import random
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,11 +67,11 @@ class _ShardOrder(torch.utils.data.Sampler[int]):
         return len(self.indices)
 
 
-Epoch = Callable[[], tuple[float, float, float]]  # one pass over the loader: (wall s, thread CPU s, last loss)
+Steps = Iterator[torch.Tensor]  # one training step per next(): its loss; epoch after epoch
 
 
-def _raw_loop(size: str, steps: int, accumulation: int) -> Epoch:
-    """A hand-written DDP loop, built once; each call runs one epoch of ``steps`` batches."""
+def _raw_steps(size: str, steps: int, accumulation: int) -> Steps:
+    """A hand-written DDP loop over epochs of ``steps`` batches, one step per ``next()``."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -77,9 +80,7 @@ def _raw_loop(size: str, steps: int, accumulation: int) -> Epoch:
     model = nn.parallel.DistributedDataParallel(_model(size))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=_ShardOrder(len(data), batch, rank, world))
-
-    def epoch() -> tuple[float, float, float]:
-        start, cpu = time.perf_counter(), time.thread_time()
+    while True:
         for i, (x, y) in enumerate(loader):
             boundary = (i + 1) % accumulation == 0
             with model.no_sync() if not boundary else torch.enable_grad():
@@ -89,13 +90,11 @@ def _raw_loop(size: str, steps: int, accumulation: int) -> Epoch:
             if boundary:
                 opt.step()
                 opt.zero_grad()
-        return time.perf_counter() - start, time.thread_time() - cpu, loss.item()
-
-    return epoch
+            yield loss
 
 
-def _accelkit_loop(size: str, steps: int, accumulation: int) -> Epoch:
-    """The same loop with accelkit, built once; each call runs one epoch."""
+def _accelkit_steps(size: str, steps: int, accumulation: int) -> Steps:
+    """The same loop with accelkit."""
     import accelkit as ak
 
     data = _data(size, steps, ak.world_size())
@@ -103,9 +102,7 @@ def _accelkit_loop(size: str, steps: int, accumulation: int) -> Epoch:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(data, batch_size=SIZES[size][2])
     model, opt, loader = ak.prepare(model, opt, loader)
-
-    def epoch() -> tuple[float, float, float]:
-        start, cpu = time.perf_counter(), time.thread_time()
+    while True:
         for x, y in loader:
             with ak.accumulate(model, steps=accumulation):
                 out = model(x)
@@ -113,57 +110,68 @@ def _accelkit_loop(size: str, steps: int, accumulation: int) -> Epoch:
                 ak.backward(loss)
                 opt.step()
                 opt.zero_grad()
-        return time.perf_counter() - start, time.thread_time() - cpu, loss.item()
-
-    return epoch
+            yield loss
 
 
-LOOPS: dict[str, Callable[[str, int, int], Epoch]] = {"raw": _raw_loop, "accelkit": _accelkit_loop}
+LOOPS: dict[str, Callable[[str, int, int], Steps]] = {"raw": _raw_steps, "accelkit": _accelkit_steps}
 
 
-def paired_rounds(
-    size: str, steps: int, accumulation: int, rounds: int, subject: str = "accelkit", subject_first: bool = False
-) -> list[tuple[float, ...]]:
-    """In each worker: the raw loop and ``subject``'s built once, in the order given, then one epoch of
-    each in turn (either first in turn); (raw s, raw CPU s, raw loss, subject's ...) per round. Both
-    models see the same batches and updates, so their losses agree bit for bit every round."""
+def paired_steps(
+    size: str, steps: int, accumulation: int, pairs: int, subject: str = "accelkit", subject_first: bool = False
+) -> tuple[list[tuple[int, int, int, int]], tuple[float, float]]:
+    """In each worker: the raw loop and ``subject``'s built in the order given, then ``pairs`` steps
+    of each, one each in turn, in a random order the ranks share; per pair (raw CPU ns, raw wall ns,
+    subject's CPU ns, wall ns), and both loops' last losses."""
     import accelkit as ak
 
     ak.state()  # join the group once
-    if subject_first:
-        ours = LOOPS[subject](size, steps, accumulation)
-        raw = _raw_loop(size, steps, accumulation)
-    else:
-        raw = _raw_loop(size, steps, accumulation)
-        ours = LOOPS[subject](size, steps, accumulation)
-    for _ in range(2):  # warm up both paths (DDP lays its buckets out again after the first step)
-        raw(), ours()
+    built = [LOOPS[subject], _raw_steps] if subject_first else [_raw_steps, LOOPS[subject]]
+    loops = [make(size, steps, accumulation) for make in built]
+    raw, ours = loops if not subject_first else loops[::-1]
+    for _ in range(2 * steps):  # warm up both (DDP lays its buckets out again after the first step)
+        next(raw), next(ours)
+    order = random.Random(steps * 1009 + accumulation)  # the same on every rank
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
     out = []
-    for i in range(rounds):
-        if i % 2:
-            out.append(raw() + ours())
-        else:
-            ak_part = ours()
-            out.append(raw() + ak_part)
-    return out
+    for _ in range(pairs):
+        first = order.random() < 0.5
+        times = []
+        for loop in (raw, ours) if first else (ours, raw):
+            wall, start = clock(), cpu()
+            loss = next(loop)
+            times.append((cpu() - start, clock() - wall))
+        (raw_cpu, raw_wall), (our_cpu, our_wall) = times if first else times[::-1]
+        out.append((raw_cpu, raw_wall, our_cpu, our_wall))
+    del loss
+    return out, (next(raw).item(), next(ours).item())
 
 
 def both_orders(
-    size: str, steps: int, accumulation: int, rounds: int, subject: str = "accelkit", launches: int = 6
-) -> list[Any]:
-    """Rank 0's rounds from ``launches`` launches, each loop built first in every other one: a loop's
-    figure moves by several µs with where its memory lands (which loop was built first, and luck that
-    changes from launch to launch: up to ±5 µs in A/A runs), so that the figure pools many builds."""
+    size: str, steps: int, accumulation: int, pairs: int, subject: str = "accelkit", launches: int = 4
+) -> tuple[list[tuple[float, ...]], list[tuple[float, float]]]:
+    """Rank 0's pairs from ``launches`` launches (each loop built first in every other one), pooled
+    into blocks of ``steps`` pairs: per block (raw CPU µs, raw steps/s, subject's CPU µs, steps/s)
+    per step; and each launch's last losses."""
     from accelkit.testing import run_distributed
 
-    each = max(1, rounds // launches)
-    return [
-        round_
-        for launch in range(launches)
-        for round_ in run_distributed(
-            paired_rounds, (size, steps, accumulation, each, subject, launch % 2 == 1), task_timeout=900
-        )[0]
-    ]
+    blocks, losses = [], []
+    for launch in range(launches):
+        args = (size, steps, accumulation, pairs, subject, launch % 2 == 1)
+        found, last = run_distributed(paired_steps, args, task_timeout=900)[0]
+        losses.append(last)
+        for start in range(0, len(found) - steps + 1, steps):
+            block = found[start : start + steps]
+            raw_cpu, raw_wall, our_cpu, our_wall = (sum(col) for col in zip(*block, strict=True))
+            blocks.append(
+                (raw_cpu / steps / 1e3, steps / raw_wall * 1e9, our_cpu / steps / 1e3, steps / our_wall * 1e9)
+            )
+    return blocks, losses
+
+
+def _steps_alone(kind: str, size: str, steps: int) -> None:
+    loop = (_raw_steps if kind == "raw" else _accelkit_steps)(size, steps, 1)
+    for _ in range(steps):
+        next(loop)
 
 
 def peak_rss(kind: str, size: str, steps: int) -> int:
@@ -171,7 +179,7 @@ def peak_rss(kind: str, size: str, steps: int) -> int:
     import accelkit as ak
 
     ak.state()
-    (_raw_loop if kind == "raw" else _accelkit_loop)(size, steps, 1)()
+    _steps_alone(kind, size, steps)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
@@ -179,42 +187,40 @@ def run(quick: bool) -> list[Row]:
     from accelkit.testing import run_distributed
 
     rows: list[Row] = []
-    sizes = (("tiny", 48, 10 if quick else 180), ("medium", 12 if quick else 40, 4 if quick else 8))
-    for size, steps, rounds in sizes:
-        launches = 2 if quick or size != "tiny" else 6
+    # (size, steps per epoch and block, pairs per launch, launches)
+    sizes = (("tiny", 48, 480 if quick else 2400, 2 if quick else 4), ("medium", 24, 48 if quick else 120, 2))
+    for size, steps, pairs, launches in sizes:
         for accumulation in (1, 4):
-            rank0 = both_orders(size, steps, accumulation, rounds, launches=launches)
-            raw_s, raw_cpu, raw_loss = (list(col) for col in zip(*[r[:3] for r in rank0], strict=True))
-            ak_s, ak_cpu, ak_loss = (list(col) for col in zip(*[r[3:] for r in rank0], strict=True))
+            blocks, losses = both_orders(size, steps, accumulation, pairs, launches=launches)
+            raw_cpu, raw_rate, ak_cpu, ak_rate = (list(col) for col in zip(*blocks, strict=True))
             label = f"{size} MLP, accumulation {accumulation}"
-            row = paired_row(f"train step/s: {label}", [steps / s for s in ak_s], [steps / s for s in raw_s], unit="/s")
+            row = paired_row(f"train step/s: {label}", ak_rate, raw_rate, unit="/s")
             row["target"], row["ok"] = None, None
             rows.append(row)
             rows.append(
                 paired_row(
                     f"CPU per step (thread time): {label}",
-                    [c / steps * 1e6 for c in ak_cpu],
-                    [c / steps * 1e6 for c in raw_cpu],
+                    ak_cpu,
+                    raw_cpu,
                     target=10.0 if size == "tiny" else None,
                     unit="us",
                 )
             )
-            same = all(a == b for a, b in zip(ak_loss, raw_loss, strict=True))
             rows.append(
                 {
                     "name": f"final loss bit-identical: {label}",
                     "unit": "",
-                    "accelkit": ak_loss[0],
-                    "reference": raw_loss[0],
+                    "accelkit": losses[0][1],
+                    "reference": losses[0][0],
                     "diff": None,
                     "ratio": None,
                     "target": None,
-                    "ok": same,
-                    "n": len(ak_loss),
+                    "ok": all(ours == raw for raw, ours in losses),
+                    "n": len(losses),
                 }
             )
         if size == "tiny":
-            rows.extend(_control(steps, rounds, launches))
+            rows.extend(_control(steps, pairs, launches))
         raw_rss = run_distributed(peak_rss, ("raw", size, steps))
         ak_rss = run_distributed(peak_rss, ("accelkit", size, steps))
         rows.append(
@@ -229,19 +235,17 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
-def _control(steps: int, rounds: int, launches: int) -> list[Row]:
+def _control(steps: int, pairs: int, launches: int) -> list[Row]:
     """The hand-written loop against a second copy of itself, measured as accelkit's is: how far the
     figure moves when nothing differs (its median diff should be about 0)."""
     rows = []
     for accumulation in (1, 4):
-        rank0 = both_orders("tiny", steps, accumulation, rounds, subject="raw", launches=launches)
-        first = [r[1] / steps * 1e6 for r in rank0]
-        second = [r[4] / steps * 1e6 for r in rank0]
+        blocks, _ = both_orders("tiny", steps, accumulation, pairs, subject="raw", launches=launches)
         row = paired_row(
             f"CPU per step (thread time): tiny MLP, accumulation {accumulation}, hand-written "
             "against itself (the measurement's spread)",
-            second,
-            first,
+            [b[2] for b in blocks],
+            [b[0] for b in blocks],
             unit="us",
         )
         row["ok"] = None

@@ -164,7 +164,9 @@ def test_a_strategy_that_runs_its_own_step_is_asked_on_every_step(
     model = make_model()
     model, opt = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
     st = ak.state()
-    monkeypatch.setattr(_state.training, "strategy", OwnStep(st.options, st.device))
+    own = OwnStep(st.options, st.device)
+    monkeypatch.setattr(_state.training, "strategy", own)  # as training.use(own) holds it
+    monkeypatch.setattr(_state.training, "torch_step", False)
     for _ in range(2):
         with ak.accumulate(model, steps=2):
             ak.backward(model(torch.ones(2, 4, device=ak.device())).sum())
@@ -190,6 +192,22 @@ def test_only_strategies_without_their_own_step_let_the_step_path_call_torch() -
     found = {kind.__name__: kind.torch_step for kind in (SingleProcess, DDP, FSDP, DeepSpeed, OwnZeroGrad, SaysSo)}
     expected = {"SingleProcess": True, "DDP": True, "FSDP": True, "DeepSpeed": False}
     assert found == {**expected, "OwnZeroGrad": False, "SaysSo": True}
+
+
+def test_the_step_path_calls_torch_directly_only_without_a_grad_scaler() -> None:
+    """The flag the step path reads follows the strategy, and the fp16 scaler that ak.prepare makes."""
+    from accelkit import _state
+
+    ak.init(cpu=True)
+    ak.prepare(make_model())
+    assert _state.training.torch_step
+    ak.reset_state()
+    assert not _state.training.torch_step  # no strategy yet
+    ak.init(precision="fp16", cpu=True)
+    model = make_model()
+    assert _state.training.torch_step  # no optimizer prepared: no scaler yet
+    ak.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not _state.training.torch_step  # the scaler's step from now on
 
 
 def fp16_setup() -> tuple[nn.Module, Any, Any]:

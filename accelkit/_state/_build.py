@@ -144,7 +144,7 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
     st = this_process.state = st._replace(
         options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
     )
-    training.strategy = strategy
+    training.use(strategy)
     return st
 
 
@@ -196,7 +196,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
             _group.destroy()
             raise
     this_process.state, this_process.owns_group, this_process.origin = st, owns, origin
-    training.strategy = st.strategy
+    training.use(st.strategy)
     register_process_hooks(st.distributed)
     return st
 

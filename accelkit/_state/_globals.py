@@ -188,7 +188,7 @@ def new_task() -> None:
                 strategy=select_strategy(resolved.options, st.world_size, st.device),
             )
         if st is not None:
-            training.strategy = st.strategy
+            training.use(st.strategy)
 
 
 def close_saving() -> None:

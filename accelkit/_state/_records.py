@@ -91,8 +91,10 @@ class TrainingState:
     - ``backward_calls``: ``ak.backward`` calls so far (a region compares it at entry and exit).
     - ``warned``: the training warnings given once (again after a reset: a new run).
     - ``strategy``: the current state's strategy, kept here for the step path (an attribute read,
-      where ``strategy()`` is a call); None until a state exists. Set with the state, and reset
-      with every new state (``reset_state``, a new task, a fork).
+      where ``strategy()`` is a call); None until a state exists. Set with the state (:meth:`use`),
+      and reset with every new state (``reset_state``, a new task, a fork).
+    - ``torch_step``: the step path is torch's own (the strategy's ``torch_step``, and no fp16 grad
+      scaler): ``ak.backward`` and the prepared optimizer then call torch after one flag read.
     - ``optimizers``: the prepared optimizers. Weak: an optimizer the user dropped no longer takes part.
     - ``loaders``: every prepared dataloader, in the order prepared (weak references, so
       a dropped loader is forgotten); ``ak.save_state`` saves their positions and
@@ -104,7 +106,7 @@ class TrainingState:
     """
 
     __slots__ = ("accumulating", "accumulation_steps", "active_loaders", "backward_calls", "loaders", "micro_step",
-                 "models", "optimizers", "saving", "strategy", "sync_gradients", "warned")  # fmt: skip
+                 "models", "optimizers", "saving", "strategy", "sync_gradients", "torch_step", "warned")  # fmt: skip
 
     def __init__(self) -> None:
         self.micro_step = 0
@@ -115,10 +117,16 @@ class TrainingState:
         self.backward_calls = 0
         self.warned: set[str] = set()
         self.strategy: Strategy | None = None
+        self.torch_step = False
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.loaders: list[weakref.ReferenceType[Any]] = []
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
         self.saving: Any = None
+
+    def use(self, strategy: "Strategy | None") -> None:
+        """Hold ``strategy`` for the step path; call it again when its grad scaler changes (``ak.prepare``)."""
+        self.strategy = strategy
+        self.torch_step = strategy is not None and strategy.torch_step and strategy.scaler is None
 
 
 class Now(NamedTuple):

@@ -66,23 +66,29 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._pending:
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
-        strategy = training.strategy or _state.strategy()
         boundary = training.sync_gradients
-        if not boundary and not strategy.steps_on_micro_steps:
-            return None  # an accumulation micro-step: the gradients are not complete yet
-        if strategy.torch_step and strategy.scaler is None:  # torch's own step: nothing is skipped
-            self._skipped = False
-            return self.optimizer.step(closure)
-        loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=boundary)
-        if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
-            self._skipped = skipped
-        return loss
+        if not training.torch_step:
+            strategy = training.strategy or _state.strategy()
+            if not training.torch_step:  # (else: the state was built just now, and its step is torch's)
+                if not boundary and not strategy.steps_on_micro_steps:
+                    return None  # an accumulation micro-step: the gradients are not complete yet
+                loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=boundary)
+                if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
+                    self._skipped = skipped
+                return loss
+        if not boundary:
+            return None
+        self._skipped = False  # torch's own step: nothing is skipped
+        return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         training = _state.training
         if training.sync_gradients:  # not on accumulation micro-steps: their gradients add up
+            if training.torch_step:
+                self.optimizer.zero_grad(set_to_none)
+                return
             strategy = training.strategy or _state.strategy()
-            if strategy.torch_step:
+            if strategy.torch_step:  # under fp16 too: the scaler does not zero
                 self.optimizer.zero_grad(set_to_none)
             else:
                 strategy.zero_grad(self.optimizer, set_to_none)

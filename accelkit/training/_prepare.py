@@ -120,6 +120,7 @@ def prepare(*objects: Any, **options: Any) -> Any:
         micro_batch_size=batch_sizes[0] if batch_sizes else None,
         model_options=model_options,
     )
+    training.use(strategy)  # its fp16 grad scaler may be new: the step path's flag follows
     if join:
         _join(wrapped_models, [prepared[i] for i in slots["loader"]])
     if st.distributed:

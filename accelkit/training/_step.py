@@ -50,12 +50,13 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         if steps > 1:
             _warn_once("outside accumulate", _OUTSIDE_ACCUMULATE, steps=steps)
     training.backward_calls += 1
-    strategy = training.strategy or _state.strategy()
     steps = training.accumulation_steps
-    if strategy.torch_step and strategy.scaler is None:  # torch's own: no call to the strategy, on every step
-        (loss / steps if steps > 1 else loss).backward(**kwargs)  # type: ignore[no-untyped-call]
-    else:
-        strategy.backward(loss, divide_by=steps, boundary=training.sync_gradients, **kwargs)
+    if not training.torch_step:
+        strategy = training.strategy or _state.strategy()
+        if not training.torch_step:  # (else: the state was built just now)
+            strategy.backward(loss, divide_by=steps, boundary=training.sync_gradients, **kwargs)
+            return
+    (loss / steps if steps > 1 else loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's own
 
 
 def _backward_waits() -> bool:
