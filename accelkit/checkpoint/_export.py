@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from .. import _safe_io, _state
-from . import _full
 
 __all__ = ["save_model"]
 
@@ -36,6 +35,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_seri
         odict_keys(['weight', 'bias'])
     """
     from ..training import unwrap
+    from . import _full  # with the first call (see _save_load)
 
     safetensors_torch = _safetensors(safe_serialization)
     target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")

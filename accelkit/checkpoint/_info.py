@@ -9,8 +9,6 @@ from typing import Any
 
 from .. import _safe_io, _state
 from ..errors import CheckpointError
-from . import _load, _manifest
-from ._save import VALUES
 
 __all__ = ["CheckpointInfo", "read_checkpoint"]
 
@@ -106,6 +104,9 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
     saving = _state.training.saving
     if saving is not None and saving.thread is not None:
         saving.thread.join()  # its outcome is left for the next save_state, wait_for_checkpoint or end_training
+    from . import _load, _manifest  # with the first call (see _save_load)
+    from ._save import VALUES
+
     path = Path(directory)
     body = _manifest.read(path)
     if body["tensor_values"]:

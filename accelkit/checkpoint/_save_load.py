@@ -21,15 +21,19 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import nn
 
 from .. import _group, _state
 from .._options import is_int
 from ..errors import CheckpointError
-from . import _full, _load, _manifest, _objects, _rank_state, _save
-from ._agree import Agreement
+
+if TYPE_CHECKING:
+    from . import _load
+
+# The machinery (_save, _load, _manifest, ...) loads with the first call that needs it, not with
+# the names: ``import accelkit`` and every public name stay cheap for a script that never saves.
 
 __all__ = ["finish_saving", "full_state_dict", "latest_checkpoint", "load_state", "save_state", "wait_for_checkpoint"]
 
@@ -80,6 +84,9 @@ def save_state(
             raise TypeError(f"{call}: {name}={flag!r}; expected True or False")
     finish_saving(call)
     _meet("save_state")
+    from . import _objects, _save
+    from ._agree import Agreement
+
     contents = _objects.collect(call, objects, full_state)
     job = _save.begin(call, directory, keep_last, contents)
     if not blocking:
@@ -132,6 +139,9 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
                 f"before the objects exist: ak.read_checkpoint(directory))"
             )
     finish_saving(call)
+    from . import _load, _objects, _rank_state
+    from ._agree import Agreement
+
     st = _state.get()
     path = Path(directory)
     agree = Agreement.here(call)
@@ -202,6 +212,8 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> import accelkit as ak
         >>> ak.latest_checkpoint("checkpoints")  # e.g. PosixPath('checkpoints/step-300')  # doctest: +SKIP
     """
+    from . import _manifest
+
     found = _manifest.committed(Path(root), whole=True)
     return found[-1][1] if found else None
 
@@ -222,6 +234,8 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"accelkit.full_state_dict(model={type(model).__qualname__}): expected a torch.nn.Module")
+    from . import _full, _objects
+
     return _full.full_state_dict(_objects.unwrapped(model))
 
 
