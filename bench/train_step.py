@@ -14,7 +14,7 @@ other's neighbour too:
   as is each side's figure;
 - steps/s: the same blocks' wall time;
 - a control: the hand-written loop against a copy of itself, measured the same way (tiny MLP);
-- peak RSS per worker, from separate launches of each loop alone.
+- peak RSS per worker, from separate launches of each loop alone (three each, in turn).
 Run alone: ``python bench/train_step.py [--quick]``.
 """
 
@@ -147,7 +147,7 @@ def paired_steps(
 
 
 def both_orders(
-    size: str, steps: int, accumulation: int, pairs: int, subject: str = "accelkit", launches: int = 4
+    size: str, steps: int, accumulation: int, pairs: int, subject: str = "accelkit", launches: int = 8
 ) -> tuple[list[tuple[float, ...]], list[tuple[float, float]]]:
     """Rank 0's pairs from ``launches`` launches (each loop built first in every other one), pooled
     into blocks of ``steps`` pairs: per block (raw CPU µs, raw steps/s, subject's CPU µs, steps/s)
@@ -188,7 +188,7 @@ def run(quick: bool) -> list[Row]:
 
     rows: list[Row] = []
     # (size, steps per epoch and block, pairs per launch, launches)
-    sizes = (("tiny", 48, 480 if quick else 2400, 2 if quick else 4), ("medium", 24, 48 if quick else 120, 2))
+    sizes = (("tiny", 48, 480 if quick else 1200, 2 if quick else 8), ("medium", 24, 48 if quick else 120, 2))
     for size, steps, pairs, launches in sizes:
         for accumulation in (1, 4):
             blocks, losses = both_orders(size, steps, accumulation, pairs, launches=launches)
@@ -221,8 +221,11 @@ def run(quick: bool) -> list[Row]:
             )
         if size == "tiny":
             rows.extend(_control(steps, pairs, launches))
-        raw_rss = run_distributed(peak_rss, ("raw", size, steps))
-        ak_rss = run_distributed(peak_rss, ("accelkit", size, steps))
+        raw_rss: list[int] = []
+        ak_rss: list[int] = []
+        for _ in range(3):  # a launch's peak moves by a few MiB with where its memory lands
+            raw_rss += run_distributed(peak_rss, ("raw", size, steps))
+            ak_rss += run_distributed(peak_rss, ("accelkit", size, steps))
         rows.append(
             paired_row(
                 f"peak RSS per worker: {size} MLP",
