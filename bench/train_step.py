@@ -138,11 +138,10 @@ def paired_steps(
         times = []
         for loop in (raw, ours) if first else (ours, raw):
             wall, start = clock(), cpu()
-            loss = next(loop)
+            next(loop)
             times.append((cpu() - start, clock() - wall))
         (raw_cpu, raw_wall), (our_cpu, our_wall) = times if first else times[::-1]
         out.append((raw_cpu, raw_wall, our_cpu, our_wall))
-    del loss
     return out, (next(raw).item(), next(ours).item())
 
 

@@ -6,7 +6,7 @@ process id changes (a forked child never reuses its parent's state or process gr
 ``training`` and ``group`` are the same objects for the life of the process (reset in place).
 """
 
-from ._build import configure, explicit_options, get, init, reform_group, strategy
+from ._build import configure, explicit_options, get, init, own_step, reform_group, strategy
 from ._globals import (
     ProcessGlobals,
     close_group,
@@ -39,6 +39,7 @@ __all__ = [
     "is_initialized",
     "new_task",
     "origin",
+    "own_step",
     "peek",
     "reform_group",
     "reset_state",

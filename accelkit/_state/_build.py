@@ -45,6 +45,15 @@ def strategy() -> Strategy:
     return st.strategy
 
 
+def own_step() -> Strategy | None:
+    """The strategy, where the training step must go through it; None where the step is torch's own
+    (``training.torch_step``: the step path reads that flag first, and calls this only when it is unset)."""
+    if training.torch_step:
+        return None
+    found = training.strategy or strategy()  # on first use this builds the state, which sets the flag
+    return None if training.torch_step else found
+
+
 def init(**options: Unpack[InitOptions]) -> ProcessState:
     """Initialise the state explicitly (optional), or set options of the state that exists.
 

@@ -67,28 +67,24 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
         boundary = training.sync_gradients
-        if not training.torch_step:
-            strategy = training.strategy or _state.strategy()
-            if not training.torch_step:  # (else: the state was built just now, and its step is torch's)
-                if not boundary and not strategy.steps_on_micro_steps:
-                    return None  # an accumulation micro-step: the gradients are not complete yet
-                loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=boundary)
-                if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
-                    self._skipped = skipped
-                return loss
-        if not boundary:
+        strategy = None if training.torch_step else _state.own_step()
+        if strategy is None:  # torch's own step: nothing is skipped
+            if not boundary:
+                return None  # an accumulation micro-step: the gradients are not complete yet
+            self._skipped = False
+            return self.optimizer.step(closure)
+        if not boundary and not strategy.steps_on_micro_steps:
             return None
-        self._skipped = False  # torch's own step: nothing is skipped
-        return self.optimizer.step(closure)
+        loss, skipped = strategy.optimizer_step(self.optimizer, closure, boundary=boundary)
+        if skipped is not None:  # a real step (or its fp16 skip): the step's outcome
+            self._skipped = skipped
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         training = _state.training
         if training.sync_gradients:  # not on accumulation micro-steps: their gradients add up
-            if training.torch_step:
-                self.optimizer.zero_grad(set_to_none)
-                return
-            strategy = training.strategy or _state.strategy()
-            if strategy.torch_step:  # under fp16 too: the scaler does not zero
+            strategy = None if training.torch_step else _state.own_step()
+            if strategy is None or strategy.torch_step:  # under fp16 too: the scaler does not zero
                 self.optimizer.zero_grad(set_to_none)
             else:
                 strategy.zero_grad(self.optimizer, set_to_none)

@@ -51,12 +51,11 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             _warn_once("outside accumulate", _OUTSIDE_ACCUMULATE, steps=steps)
     training.backward_calls += 1
     steps = training.accumulation_steps
-    if not training.torch_step:
-        strategy = training.strategy or _state.strategy()
-        if not training.torch_step:  # (else: the state was built just now)
-            strategy.backward(loss, divide_by=steps, boundary=training.sync_gradients, **kwargs)
-            return
-    (loss / steps if steps > 1 else loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's own
+    strategy = None if training.torch_step else _state.own_step()
+    if strategy is None:  # torch's own: no call to the strategy, on every step
+        (loss / steps if steps > 1 else loss).backward(**kwargs)  # type: ignore[no-untyped-call]
+    else:
+        strategy.backward(loss, divide_by=steps, boundary=training.sync_gradients, **kwargs)
 
 
 def _backward_waits() -> bool:
