@@ -67,7 +67,7 @@ def test_a_schedule_that_never_records_warns_and_writes_nothing(tmp_path: Path) 
 
 
 def test_the_body_raising_still_writes_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(KeyError), ak.profile(output_trace_dir=tmp_path):
+    with pytest.raises(KeyError), ak.profile(output_trace_dir=tmp_path, activities=["cpu"]):  # no CUDA here
         torch.ones(4, 4).sum()
         raise KeyError("stop")
     assert [p.name for p in tmp_path.iterdir()] == ["rank0.pt.trace.json"]
@@ -78,7 +78,10 @@ def test_your_handler_sees_every_window(tmp_path: Path) -> None:
     seen: list[int] = []
     schedule = {"wait": 1, "warmup": 1, "active": 2}  # 6 steps: windows end after steps 3 and (cut short) 6
     with ak.profile(
-        output_trace_dir=tmp_path, schedule_option=schedule, on_trace_ready=lambda p: seen.append(p.step_num)
+        output_trace_dir=tmp_path,
+        schedule_option=schedule,
+        on_trace_ready=lambda p: seen.append(p.step_num),
+        activities=["cpu"],  # CUDA's profiler would initialise CUDA in the test process
     ) as prof:
         for _ in range(6):
             torch.ones(4, 4).sum()

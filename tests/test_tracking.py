@@ -278,7 +278,8 @@ def test_importing_accelkit_and_every_public_name_loads_no_tracker_or_tqdm() -> 
     assert "accelkit" in loaded
 
 
-def test_accelkit_env_lists_the_trackers(capsys: pytest.CaptureFixture[str]) -> None:
+def test_accelkit_env_lists_the_trackers(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU properties read (CUDA) in this process
     assert cli_main(["env"]) == 0
     out = capsys.readouterr().out
     section = out.split("### Trackers")[1].split("###")[0]
