@@ -1,9 +1,9 @@
 """Durable, verifiable files: checksummed fsynced writes, atomic replacement and swaps.
 
-Every byte a checkpoint writes goes through :func:`write_file`, which checksums (``sum64``,
-:mod:`accelkit._checksum`) while writing and fsyncs before returning, or, given a :class:`Flusher`, on a helper thread
-while the next file is written, at the same time as the other fsyncs of the save;
-:func:`check_file` verifies a file against its recorded size and checksum.
+Every byte a checkpoint writes goes through :func:`write_file`, which checksums (XXH3-128 of each
+piece, :mod:`accelkit._checksum`) while writing and fsyncs before returning, or, given a :class:`Flusher`, on a helper
+thread while the next file is written, at the same time as the other fsyncs of the save;
+:func:`check_file` verifies a file against its recorded size and checksums.
 :func:`crash_point` marks the moments tests break into.
 Smaller files (the config file, a worker's failure record, exported weights) are replaced
 whole with :func:`write_atomic`: readers see the old file or the new one, never a part.
@@ -32,6 +32,7 @@ __all__ = [
     "Flusher",
     "HashingWriter",
     "check_file",
+    "check_open",
     "crash_point",
     "fsync_dir",
     "open_hashed",
@@ -40,7 +41,7 @@ __all__ = [
     "write_file",
 ]
 
-FileRecord = dict[str, Any]  # {"size": int, "checksum": "sum64:..."} ("crc32:..." in older checkpoints)
+FileRecord = dict[str, Any]  # {"size": int, "piece": int, "xxh3_128": [digest of each piece, ...]}
 
 # Tests set this to raise or to kill the process at a named moment of a save
 # ("before-file:NAME", "mid-file:NAME", "after-file:NAME", "before-manifest", "before-rename", ...).
@@ -107,7 +108,7 @@ class HashingWriter:
         from . import _checksum
 
         self._f, self._label, self._on_first_write = f, label, on_first_write
-        self._hash, self.size, self._started = _checksum.Sum64(), 0, False
+        self._hash, self.size, self._started = _checksum.PieceHasher(), 0, False
 
     def write(self, data: Any) -> int:
         first = self._on_first_write
@@ -141,7 +142,9 @@ class HashingWriter:
         self._f.flush()
 
     def record(self) -> FileRecord:
-        return {"size": self.size, "checksum": self._hash.hexdigest()}
+        from ._checksum import KEY
+
+        return {"size": self.size, "piece": self._hash.piece, KEY: self._hash.digests()}
 
 
 def write_file(
@@ -243,42 +246,55 @@ def write_atomic(path: Path, data: bytes | Callable[[IO[bytes]], object], mode: 
 
 def check_file(path: Path, record: FileRecord) -> str | None:
     """What is wrong with ``path`` against its manifest ``record``, or None if nothing."""
-    from . import _checksum
-
-    problem = size_problem(path, record)
-    if problem is not None:
-        return problem
-    pieces = _checksum.pieces_for(record["checksum"])
-    if pieces is None:
-        return unknown_checksum(record)
-    if record["size"]:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            pieces.add(m, 0)
-    return checksum_problem(pieces.hexdigest(), record)
-
-
-def size_problem(path: Path, record: FileRecord) -> str | None:
-    """Why ``path`` is not the file of ``record`` by its size (missing, truncated), or None."""
     try:
-        size = path.stat().st_size
+        f = open(path, "rb")
     except FileNotFoundError:
         return "is missing"
+    with f:
+        return check_open(f.fileno(), record)
+
+
+def check_open(fd: int, record: FileRecord) -> str | None:
+    """What is wrong with the open file ``fd`` against its manifest ``record``, or None if nothing."""
+    size = os.fstat(fd).st_size
+    problem = size_problem(size, record)
+    if problem is not None or not size:
+        return problem
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m, memoryview(m) as whole:
+        for index, (at, length) in enumerate(pieces(record)):
+            with whole[at : at + length] as view:
+                problem = piece_problem(record, index, view)
+            if problem is not None:
+                return problem
+    return None
+
+
+def size_problem(size: int, record: FileRecord) -> str | None:
+    """Why a file of ``size`` bytes is not the file of ``record`` (truncated, grown), or None."""
     if size != record["size"]:
-        return f"is {size} bytes but the manifest says {record['size']} (truncated or overwritten)"
+        return f"is {size} bytes but the manifest says {record['size']} (truncated, grown or overwritten)"
     return None
 
 
-def checksum_problem(found: str, record: FileRecord) -> str | None:
-    """Why a file whose bytes have the checksum ``found`` is not the file of ``record``, or None."""
-    if found != record["checksum"]:
-        return f"has checksum {found} but the manifest says {record['checksum']} (its bytes were changed)"
-    return None
+def pieces(record: FileRecord) -> list[tuple[int, int]]:
+    """(offset, length) of each checksummed piece of the file of ``record``."""
+    from ._checksum import piece_ranges
+
+    return piece_ranges(record["size"], record["piece"])
 
 
-def unknown_checksum(record: FileRecord) -> str:
-    """The problem of a file whose recorded checksum is of a kind this version cannot compute."""
-    kind = str(record["checksum"]).partition(":")[0]
-    return f"has a checksum of a kind this accelkit does not know ({kind!r}); load it with a newer accelkit"
+def piece_problem(record: FileRecord, index: int, data: Any) -> str | None:
+    """Why ``data``, read as piece ``index`` of the file of ``record``, is not that piece, or None."""
+    from ._checksum import KEY, digest
+
+    found, expected = digest(data), record[KEY][index]
+    if found == expected:
+        return None
+    at, length = pieces(record)[index]
+    return (
+        f"has changed bytes in piece {index + 1} of {len(record[KEY])} (bytes {at} to {at + length - 1}): its "
+        f"XXH3-128 is {found} but the manifest says {expected}"
+    )
 
 
 def fsync_dir(path: Path, flusher: Flusher | None = None) -> None:

@@ -9,7 +9,6 @@ import pickle
 import signal
 import sys
 import warnings
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from weights import load_weights
 
 import accelkit as ak
-from accelkit import _safe_io
+from accelkit import _checksum, _safe_io
 from accelkit.checkpoint import CheckpointError, _manifest
 from accelkit.testing import WorkerPool, run_distributed
 
@@ -267,24 +266,29 @@ def test_damaged_files_are_named_and_nothing_is_touched(tmp_path: Path, damage: 
     assert saved_fill(tmp_path / "a") == 1.0
 
 
-def test_a_changed_byte_in_any_piece_of_a_large_file_is_found(tmp_path: Path) -> None:
-    """Large files are checksummed in 16 MB pieces by two threads, and the pieces' sums combined."""
+def test_a_changed_byte_in_any_piece_of_a_large_file_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are checksummed in pieces (64 MiB; 1 MiB here), verified by two threads; a mismatch names its piece."""
+    monkeypatch.setattr(_checksum, "PIECE", 1 << 20)
     torch.manual_seed(0)
-    model = nn.Linear(2900, 2900)  # 33.6 MB of weights: three pieces
+    model = nn.Linear(1100, 1100)  # 4.8 MB of weights: four pieces and a part
     ak.save_state(tmp_path / "a", model=model)
     path = tmp_path / "a" / "model.pt"
     good = path.read_bytes()
-    assert len(good) > 2 * (16 << 20)
-    ak.load_state(tmp_path / "a", model=nn.Linear(2900, 2900))  # whole: the combined checksum is the file's
-    for at in (100, (16 << 20) + 5, len(good) - (1 << 20)):  # in the first, second and last piece
+    record = json.loads((tmp_path / "a" / _manifest.MANIFEST).read_text())["body"]["files"]["model.pt"]
+    assert record["piece"] == 1 << 20 and len(record["xxh3_128"]) == 5 and record["size"] == len(good)
+    ak.load_state(tmp_path / "a", model=nn.Linear(1100, 1100))
+    for at, piece in ((100, 1), ((1 << 20) + 5, 2), (len(good) - 3, 5)):  # in the first, second and last piece
         path.write_bytes(good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1 :])
-        fresh = nn.Linear(2900, 2900)
+        fresh = nn.Linear(1100, 1100)
         before = fresh.weight.clone()
-        with pytest.raises(CheckpointError, match=r"model\.pt has checksum .* \(its bytes were changed\)"):
+        first = (piece - 1) << 20
+        with pytest.raises(
+            CheckpointError, match=rf"model\.pt has changed bytes in piece {piece} of 5 \(bytes {first} "
+        ):
             ak.load_state(tmp_path / "a", model=fresh)
         assert torch.equal(fresh.weight, before), f"byte {at}: the model was changed"
     path.write_bytes(good)
-    loaded = nn.Linear(2900, 2900)
+    loaded = nn.Linear(1100, 1100)
     ak.load_state(tmp_path / "a", model=loaded)
     assert torch.equal(loaded.weight, model.weight)
 
@@ -312,37 +316,34 @@ def forge(directory: Path, name: str, data: bytes) -> None:
     if name == _manifest.MANIFEST:
         return
     body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
-    body["files"][name] = {"size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}"}
+    body["files"][name] = {"size": len(data), "piece": _checksum.PIECE, "xxh3_128": [_checksum.digest(data)]}
     forged = _manifest.build(body["files"], body["objects"], body["values"], body["world_size"])
     (directory / _manifest.MANIFEST).write_bytes(forged)
 
 
-def resign(directory: Path, checksum: Callable[[bytes], str], version: int) -> None:
-    """Record every file of ``directory`` with ``checksum`` of its bytes, in a valid manifest of ``version``."""
-    body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
-    for name in body["files"]:
-        body["files"][name]["checksum"] = checksum((directory / name).read_bytes())
-    body["version"] = version
-    signed = {"checksum": _manifest._body_checksum(body), "body": body}
-    (directory / _manifest.MANIFEST).write_text(json.dumps(signed))
-
-
-def test_checkpoints_with_crc32_checksums_still_load_and_unknown_kinds_are_refused(tmp_path: Path) -> None:
+def test_checkpoints_of_another_format_version_are_refused_naming_the_version(tmp_path: Path) -> None:
     save_pair(tmp_path / "a", 3.0)
-    body = json.loads((tmp_path / "a" / _manifest.MANIFEST).read_text())["body"]
-    assert body["version"] == 2
-    assert all(record["checksum"].startswith("sum64:") for record in body["files"].values())
-    resign(tmp_path / "a", lambda data: f"crc32:{zlib.crc32(data):08x}", 1)  # as accelkit wrote them before sum64
+    manifest = tmp_path / "a" / _manifest.MANIFEST
+    body = json.loads(manifest.read_text())["body"]
+    assert body["version"] == 3
+    for version in (2, 4):  # sum64's format (never released), a later one
+        body["version"] = version
+        manifest.write_bytes(_manifest._render(body))
+        with pytest.raises(CheckpointError, match=rf"format version {version} \(accelkit '0\.1\.0' wrote it\); this "):
+            saved_fill(tmp_path / "a")
+
+
+def test_bytes_added_to_the_manifest_are_refused(tmp_path: Path) -> None:
+    save_pair(tmp_path / "a", 3.0)
+    manifest = tmp_path / "a" / _manifest.MANIFEST
+    good = manifest.read_bytes()
+    for extra in (b"\n", b" ", b"{}"):
+        manifest.write_bytes(good + extra)
+        with pytest.raises(CheckpointError, match=r"manifest\.json (holds|is not valid JSON)"):
+            saved_fill(tmp_path / "a")
+        assert ak.latest_checkpoint(tmp_path) is None
+    manifest.write_bytes(good)
     assert saved_fill(tmp_path / "a") == 3.0
-    (tmp_path / "a" / "model.pt").write_bytes(b"\0" + (tmp_path / "a" / "model.pt").read_bytes()[1:])
-    with pytest.raises(CheckpointError, match=r"model\.pt has checksum crc32:.* \(its bytes were changed\)"):
-        saved_fill(tmp_path / "a")
-    resign(tmp_path / "a", lambda data: "blake3:00", 2)
-    with pytest.raises(CheckpointError, match=r"a kind this accelkit does not know \('blake3'\).*newer accelkit"):
-        saved_fill(tmp_path / "a")
-    resign(tmp_path / "a", lambda data: f"crc32:{zlib.crc32(data):08x}", 3)  # a later format: refused by name
-    with pytest.raises(CheckpointError, match=r"format version 3; this accelkit reads versions 1 and 2: load it with"):
-        saved_fill(tmp_path / "a")
 
 
 def test_no_code_runs_from_any_checkpoint_file(tmp_path: Path) -> None:
@@ -521,9 +522,9 @@ def test_a_damaged_checkpoint_names_the_newest_whole_one(tmp_path: Path, damage:
     with pytest.raises(CheckpointError) as info:
         ak.load_state(tmp_path / "step-3", model=small_model(0.0))
     assert str(damaged) in str(info.value) and "the checkpoint is damaged" in str(info.value)
-    assert f"load the newest whole one there instead: ak.load_state({str(tmp_path / 'step-1')!r}, ...)" in str(
+    assert f"{tmp_path / 'step-1'} verifies: load it instead, ak.load_state({str(tmp_path / 'step-1')!r}, ...)" in str(
         info.value
     )
     (tmp_path / "step-1" / "manifest.json").write_text("{}")
-    with pytest.raises(CheckpointError, match=f"no other whole checkpoint is in {tmp_path}"):
+    with pytest.raises(CheckpointError, match=rf"no other checkpoint in {tmp_path} verifies \(no other is whole\)"):
         ak.load_state(tmp_path / "step-3", model=small_model(0.0))

@@ -9,15 +9,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import subprocess
+import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from processes import subprocess_env
 from test_checkpoint import saved_fill, small_model
 from test_checkpoint_sharded import assert_equal, run
 
@@ -31,8 +33,14 @@ def full_disk(*args: Any) -> int:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def fail_in_the_background_on_rank_1(root: str) -> tuple[str, str, bool]:
-    """An async save whose write fails on rank 1: (what save_state did, what the next call raised, retried)."""
+def hidden(root: str | Path) -> list[str]:
+    """What saves left beside their checkpoints (``.accelkit-tmp-*``, ``.accelkit-trash-*``)."""
+    return sorted(name for name in os.listdir(root) if name.startswith("."))
+
+
+def fail_in_the_background_on_rank_1(root: str) -> tuple[str, str, list[str], bool]:
+    """An async save whose write fails on rank 1: (what save_state did, what the next call raised, what it left
+    beside the checkpoints as the main process sees it then, retried)."""
     ak.save_state(f"{root}/a", model=ak.prepare(small_model(1.0)), step=1)
     write = _safe_io._write
     if ak.rank() == 1:
@@ -45,19 +53,37 @@ def fail_in_the_background_on_rank_1(root: str) -> tuple[str, str, bool]:
             raised = str(exc)
         else:
             raised = "no error"
+        left = hidden(root)
     finally:
         _safe_io._write = write
     ak.save_state(f"{root}/b", blocking=False, model=ak.prepare(small_model(3.0)), step=3)  # the error was raised once
     ak.wait_for_checkpoint()
-    return returned, raised, ak.read_checkpoint(f"{root}/b")["step"] == 3
+    return returned, raised, left, ak.read_checkpoint(f"{root}/b")["step"] == 3
 
 
 def test_a_background_write_failure_raises_at_the_next_call_on_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
-    for returned, raised, retried in pool.run(fail_in_the_background_on_rank_1, str(tmp_path)):
+    results = pool.run(fail_in_the_background_on_rank_1, str(tmp_path))
+    for returned, raised, _, retried in results:
         assert returned == str(tmp_path / "b"), "the call itself returns once the state is staged"
         assert raised.startswith("accelkit.wait_for_checkpoint(): the earlier save in the background failed")
         assert "nothing was committed" in raised and "rank 1: no space left on device writing" in raised
+        assert re.search(r"the temporary directory \.accelkit-tmp-b-\w+ was removed", raised)
         assert retried
+    assert results[0][2] == [], "the main process removed the temporary directory before the failure was raised"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_failed_save_removes_its_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    ak.save_state(tmp_path / "a", model=small_model(1.0))
+    monkeypatch.setattr(_safe_io, "_write", full_disk)
+    with pytest.raises(
+        CheckpointError, match=r"untouched and the temporary directory \.accelkit-tmp-b-\w+ was removed"
+    ):
+        ak.save_state(tmp_path / "b", blocking=blocking, model=small_model(2.0))
+        ak.wait_for_checkpoint()
+    assert os.listdir(tmp_path) == ["a"] and saved_fill(tmp_path / "a") == 1.0
 
 
 @contextlib.contextmanager
@@ -89,13 +115,19 @@ def test_a_full_disk_raises_at_the_next_save_state_and_at_end_training(tmp_path:
         assert [n for n in os.listdir(disk) if not n.startswith(".")] == ["a"]
 
 
-def test_a_failure_no_call_reported_is_a_warning_at_reset_state(
+def test_a_failure_no_call_reported_is_a_warning_at_reset_state_and_stays_on_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_safe_io, "_write", full_disk)
     ak.save_state(tmp_path / "a", blocking=False, model=small_model(1.0))
-    with pytest.warns(UserWarning, match=r"(?s)blocking=False\) failed, and no later call reported it: .*no space"):
-        ak.reset_state()
+    unreported = _async._unreported()
+    try:
+        with pytest.warns(UserWarning, match=r"(?s)blocking=False\) failed, and no later call reported it: .*no space"):
+            ak.reset_state()
+        assert [call for _, call, _ in unreported] == [f"accelkit.save_state({str(tmp_path / 'a')!r})"]
+    finally:
+        unreported.clear()  # else this process would end with exit code 1, as the script below does
+    assert hidden(tmp_path) == []
 
 
 def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,17 +167,61 @@ def test_each_save_stages_anew_where_torchs_stager_closes_itself(
     assert saved_fill(tmp_path / "s3") == 3.0
 
 
+# --- a failure no call raised fails the process at exit ----------------------------------------
+
+SCRIPT = Path(__file__).parent / "bg_failure_script.py"
+NOT_RAISED = "(blocking=False) failed in the background, and no later call raised it"
+
+
+def run_script(root: Path, how: str) -> subprocess.CompletedProcess[str]:
+    """tests/bg_failure_script.py: a small save to ROOT/a, then a 1 MB one to ROOT/b in the background; see there."""
+    command = [sys.executable, str(SCRIPT), str(root), how]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=root)
+
+
+def test_a_script_whose_background_save_fails_unreported_exits_non_zero_and_cleans_up(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "fail")  # RLIMIT_FSIZE: the write of model.pt raises OSError(EFBIG)
+    assert done.returncode == 1, done.stderr
+    assert f"accelkit: accelkit.save_state({str(tmp_path / 'b')!r}) {NOT_RAISED}:" in done.stderr
+    assert "rank 0: OSError: [Errno 27] File too large" in done.stderr, "the error itself"
+    assert "call ak.wait_for_checkpoint()" in done.stderr, "the fix"
+    assert os.listdir(tmp_path) == ["a"], "no checkpoint, no temporary directory left"
+    assert ak.read_checkpoint(tmp_path / "a")["step"] == 1
+
+
 def test_a_script_that_ends_right_after_the_call_still_commits(tmp_path: Path) -> None:
-    code = (
-        "import torch, accelkit as ak\n"
-        f"ak.save_state({str(tmp_path / 'a')!r}, blocking=False, model=torch.nn.Linear(512, 512), step=7)\n"
-    )
-    env = {**os.environ, "ACCELKIT_CPU": "1"}
-    done = subprocess.run(["python", "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    done = run_script(tmp_path, "ok")  # and nothing else is said
     assert done.returncode == 0, done.stderr
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert ak.read_checkpoint(tmp_path / "a")["step"] == 7
+    assert "accelkit" not in done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"] and ak.read_checkpoint(tmp_path / "b")["step"] == 2
+
+
+def test_a_failure_the_script_caught_leaves_the_exit_code_alone(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "caught")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("caught: accelkit.wait_for_checkpoint(): the earlier save in the background failed")
+    assert NOT_RAISED not in done.stderr
+    assert os.listdir(tmp_path) == ["a"]
+
+
+def test_a_failure_reset_state_warned_about_still_fails_the_process(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "reset")
+    assert done.returncode == 1, done.stderr
+    assert "UserWarning" in done.stderr and "no later call reported it" in done.stderr
+    assert NOT_RAISED in done.stderr and "File too large" in done.stderr
+    assert os.listdir(tmp_path) == ["a"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_whose_background_save_fails_unreported_fail_the_job(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "distributed")  # @ak.distributed(num_processes=2): rank 0's write fails
+    assert done.returncode == 1, done.stderr
+    assert "accelkit.errors.WorkerError: rank" in done.stderr, "the launcher reports the failed ranks"
+    for rank in (0, 1):
+        assert f"- rank {rank} (local rank {rank}, pid" in done.stderr
+    assert "rank 0: OSError: [Errno 27] File too large" in done.stderr and NOT_RAISED in done.stderr
+    assert os.listdir(tmp_path) == ["a"]
 
 
 def test_sharded_state_resumes_bit_exact_after_an_async_save(pool: WorkerPool, tmp_path: Path) -> None:
@@ -177,8 +253,10 @@ def fail_to_stage_on_rank_1(root: str) -> str:
 
 def test_a_rank_that_cannot_stage_fails_the_save_on_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
     for message in pool.run(fail_to_stage_on_rank_1, str(tmp_path)):
-        assert "nothing was written" in message and "rank 1: MemoryError: cannot allocate the staging" in message
+        assert "nothing was written; the temporary directory .accelkit-tmp-b-" in message
+        assert "rank 1: MemoryError: cannot allocate the staging" in message
     assert ak.latest_checkpoint(tmp_path) == tmp_path / "a" and not (tmp_path / "b").exists()
+    assert hidden(tmp_path) == [], "the main process removed the temporary directory"
 
 
 def background_agreement_tensors(root: str) -> tuple[bool, list[Any]]:

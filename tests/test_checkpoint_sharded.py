@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -12,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from torch import nn
 from weights import load_weights
 
 import accelkit as ak
-from accelkit import _safe_io
+from accelkit import _checksum, _safe_io
 from accelkit.checkpoint import CheckpointError, _commit, _manifest
 from accelkit.testing import WorkerPool, run_distributed
 
@@ -269,29 +267,30 @@ def load_damaged(root: str, name: str) -> tuple[str, bool]:
 def test_a_damaged_dcp_file_is_named_on_every_rank(pool: WorkerPool, tmp_path: Path, name: str) -> None:
     results = pool.run(load_damaged, str(tmp_path), name)
     for message, unchanged in results:
-        assert f"{name} has checksum" in message and "nothing was changed" in message
+        assert f"{name} has changed bytes in piece 1 of 1" in message and "nothing was changed" in message
         assert unchanged, "the model or optimizer was changed"
 
 
 def read_fails_on_rank_1(root: str) -> str:
     """Save, then load while rank 1's reads of verified shards fail (a disk error): every rank's error."""
-    from accelkit.checkpoint import _dcp_read
+    from accelkit.checkpoint import _sharded
 
     model, opt = sharded_model()
     ak.save_state(f"{root}/a", model=model, optimizer=opt)
-    read_items = _dcp_read.read_items
+    reader = _sharded._reader_type()  # DCP's FileSystemReader, over the checkpoint's snapshot
+    read_data = reader.read_data
 
     def broken_read(*args: Any, **kwargs: Any) -> Any:
         raise OSError(5, "Input/output error")
 
     if ak.rank() == 1:
-        _dcp_read.read_items = broken_read
+        reader.read_data = broken_read
     try:
         ak.load_state(f"{root}/a", model=model, optimizer=opt)
     except CheckpointError as exc:
         return str(exc)
     finally:
-        _dcp_read.read_items = read_items
+        reader.read_data = read_data
     return "no error"
 
 
@@ -317,7 +316,7 @@ def forge(directory: Path, files: dict[str, bytes]) -> None:
     body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
     for name, data in files.items():
         (directory / name).write_bytes(data)
-        body["files"][name] = {"size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}"}
+        body["files"][name] = {"size": len(data), "piece": _checksum.PIECE, "xxh3_128": [_checksum.digest(data)]}
     signed = _manifest.build(body["files"], body["objects"], body["values"], body["world_size"], body["sharded"])
     (directory / _manifest.MANIFEST).write_bytes(signed)
 
@@ -459,68 +458,16 @@ def test_plain_checkpoints_never_import_dcp(tmp_path: Path) -> None:
     assert done.stdout.strip() == "[]"
 
 
-# --- reading DCP's tensor archives straight from the mapped file -------------------------------
-
-LAYOUTS = {
-    "contiguous": lambda: torch.arange(6, dtype=torch.float32).reshape(2, 3),
-    "transposed, whole storage": lambda: torch.arange(12, dtype=torch.float64).reshape(3, 4).t(),
-    "channels last, bf16": lambda: torch.randn(2, 3, 4, 5).to(torch.bfloat16, memory_format=torch.channels_last),
-    "bool": lambda: torch.tensor([True, False, True]),
-    "0-dim int8": lambda: torch.tensor(-7, dtype=torch.int8),
-    "empty": lambda: torch.empty(0, 3),
-}
+# --- DCP's own reading ----------------------------------------------------------------------------
 
 
-def archived(tensors: list[torch.Tensor], path: Path, deflate: bool = False) -> list[tuple[int, int]]:
-    """``tensors`` as DCP lays them out: ``torch.save`` archives one after another (CRC-32 off, as accelkit
-    writes them), each at an odd offset; their (offset, length)."""
-    from accelkit.checkpoint import _files
+def test_no_module_of_accelkit_parses_archives_or_dcp_files_itself() -> None:
+    """Sharded loads go through dcp.load with a FileSystemReader and a load planner of ours (DCP's extension points):
+    nothing of accelkit reads zip headers or DCP's storage layout."""
+    import accelkit
 
-    spans = []
-    with open(path, "wb") as f:
-        for tensor in tensors:
-            f.write(b"x" * 13)  # no alignment to count on
-            blob = io.BytesIO()
-            with _files.no_zip_crc() if not deflate else contextlib.nullcontext():
-                torch.save(tensor, blob)
-            data = blob.getvalue()
-            if deflate:  # the same records, compressed: not readable in place
-                import zipfile
-
-                with zipfile.ZipFile(io.BytesIO(data)) as src:
-                    out = io.BytesIO()
-                    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
-                        for info in src.infolist():
-                            dst.writestr(info.filename, src.read(info.filename) if info.file_size else b"")
-                data = out.getvalue()
-            spans.append((f.tell(), len(data)))
-            f.write(data)
-    return spans
-
-
-def test_a_tensor_is_read_in_place_as_torch_load_reads_it(tmp_path: Path) -> None:
-    """The file format on the CPU: mapped bytes against torch.load (a CUDA target copies from the same tensor)."""
-    from accelkit.checkpoint import _dcp_read
-
-    tensors = [make() for make in LAYOUTS.values()]
-    path = tmp_path / "items.distcp"
-    spans = archived(tensors, path)
-    mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
-    with open(path, "rb") as f:
-        for name, tensor, (offset, length) in zip(LAYOUTS, tensors, spans, strict=True):
-            found = _dcp_read._mapped_tensor(f, mapped, offset, length)
-            assert found is not None, name
-            assert (found.dtype, found.shape, found.stride()) == (tensor.dtype, tensor.shape, tensor.stride()), name
-            assert torch.equal(found, tensor), name
-
-
-def test_an_archive_that_cannot_be_read_in_place_is_declined(tmp_path: Path) -> None:
-    from accelkit.checkpoint import _dcp_read
-
-    path = tmp_path / "deflated.distcp"
-    ((offset, length),) = archived([torch.arange(64.0)], path, deflate=True)
-    mapped = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
-    with open(path, "rb") as f:
-        assert _dcp_read._mapped_tensor(f, mapped, offset, length) is None
-        archive: Any = _dcp_read._Slice(f, offset, length)  # what the reader loads instead, as DCP does
-        assert torch.equal(torch.load(archive, weights_only=True), torch.arange(64.0))
+    root = Path(accelkit.__file__).parent
+    for path in [*(root / "checkpoint").rglob("*.py"), root / "_safe_io.py", root / "_checksum.py"]:
+        text = path.read_text()
+        for word in ("zipfile", "struct.unpack", "PK\\x03\\x04", "UntypedStorage.from_file", "storage_offsets"):
+            assert word not in text, f"{path.relative_to(root.parent)} uses {word}"

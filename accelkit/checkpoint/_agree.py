@@ -39,6 +39,27 @@ class Agreement(NamedTuple):
         """Run ``step`` on every rank; its result here, or the same CheckpointError on every rank."""
         return self._run(consequence, step, share=False)[0]
 
+    def each_same(self, consequence: str, step: Callable[[], T], key: Callable[[T], str]) -> T:
+        """:meth:`each`, and every rank's ``key`` of its result is the same (else the same CheckpointError everywhere).
+
+        The keys travel (small strings); the results stay where they are.
+        """
+        value: Any = None
+
+        def keyed() -> str:
+            nonlocal value
+            value = step()
+            return key(value)
+
+        keys = self._run(consequence, keyed, share=True)
+        if len(set(keys)) > 1:
+            raise self.failure(
+                f"{consequence}; the ranks read different checkpoints (it was replaced while they read it): load it "
+                f"again once the saves are done",
+                [(rank, k) for rank, k in enumerate(keys)],
+            )
+        return value  # type: ignore[no-any-return]
+
     def gather(self, consequence: str, step: Callable[[], T]) -> list[T]:
         """:meth:`each`, returning every rank's result (keep results small: they travel)."""
         return self._run(consequence, step, share=True)

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import _safe_io, _state
+from .. import _state
 from ..errors import CheckpointError
 
 __all__ = ["CheckpointInfo", "read_checkpoint"]
@@ -106,14 +106,17 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
         saving.thread.join()  # its outcome is left for the next save_state, wait_for_checkpoint or end_training
     from . import _load, _manifest  # with the first call (see _save_load)
     from ._save import VALUES
+    from ._snapshot import Snapshot
 
     path = Path(directory)
-    body = _manifest.read(path)
-    if body["tensor_values"]:
-        record = body["files"].get(VALUES)
-        problem = "is missing from the manifest" if record is None else _safe_io.check_file(path / VALUES, record)
-        if problem:
-            raise CheckpointError(f"{path / VALUES} {problem}; the checkpoint is damaged: load an older one")
+    with Snapshot.take(path) as snapshot:
+        body = snapshot.body
+        if body["tensor_values"]:
+            problem = "is missing from the manifest" if VALUES not in body["files"] else snapshot.problem(VALUES)
+            if problem:
+                damaged = f"{path / VALUES} {problem}; the checkpoint is damaged"
+                raise CheckpointError(f"{damaged}: {_manifest.instead(path)}")
+        values = {**body["values"], **_load.tensor_values(snapshot)}
     step = body.get("step")
     created = body.get("created_ns")
     return CheckpointInfo(
@@ -125,5 +128,5 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
         full=list(body["full"]),
         created_ns=created if isinstance(created, int) else 0,
         versions={k: str(body.get(k)) for k in ("accelkit", "torch", "python")},
-        values={**body["values"], **_load.tensor_values(path, body)},
+        values=values,
     )

@@ -1,11 +1,13 @@
 """Reading a checkpoint back: verify every file, deserialize what this rank needs, then apply it.
 
-Phases one and two (:func:`read`) change nothing: each rank checks its share of the files
-against the manifest (size, checksum; the ranks agree on the outcome), and deserializes without
-running code from them (``torch.load(weights_only=True)``, JSON, restricted unpickling of DCP's
-metadata; DCP's plans and non-tensor items, :func:`readers`). Plain files are mapped, not copied
-(``_files``). Phase three (:func:`apply`, the functions of :func:`readers`) changes the live
-objects, in the order given: DCP reads the verified shards straight into their tensors.
+Every file is read through one :class:`~._snapshot.Snapshot` of the checkpoint: the files opened
+once, so that the bytes verified are the bytes loaded. Phases one and two (:func:`read`) change
+nothing: each rank checks its share of the files against the manifest (size, XXH3-128 of each
+piece; the ranks agree on the outcome), and deserializes without running code from them
+(``torch.load(weights_only=True)``, JSON, restricted unpickling of DCP's metadata; DCP's plans and
+non-tensor items, :func:`readers`). Plain files are mapped, not copied (``_files``). Phase three
+(:func:`apply`, the functions of :func:`readers`) changes the live objects, in the order given:
+``dcp.load`` reads the verified shards into their tensors.
 """
 
 import json
@@ -15,7 +17,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from torch import nn
 
@@ -24,14 +26,11 @@ from ..errors import CheckpointError
 from . import _files, _full, _manifest, _rank_state, _sharded
 from ._objects import unwrapped
 from ._save import VALUES
-
-if TYPE_CHECKING:
-    from .._checksum import Pieces
+from ._snapshot import Snapshot
 
 __all__ = ["Loaded", "Verification", "apply", "read", "survey", "tensor_values"]
 
 T = TypeVar("T")
-_PIECE = 16 << 20  # bytes checksummed at a time: the verifying threads share a file's pieces
 
 
 class Loaded(NamedTuple):
@@ -42,16 +41,27 @@ class Loaded(NamedTuple):
     metadata: dict[str, Any]  # name -> DCP's metadata of a sharded object, read once
 
 
-def survey(
-    path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool
-) -> tuple[dict[str, Any], list[str]]:
-    """The manifest, checked against ``objects`` and this job; and the files this rank verifies."""
+def survey(path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> tuple[Snapshot, list[str]]:
+    """The checkpoint, open, its manifest checked against ``objects`` and this job; and the files this rank verifies.
+
+    The caller closes the snapshot.
+    """
     try:
-        body = _manifest.read(path)
+        snapshot = Snapshot.take(path)
     except CheckpointError as exc:
-        if not (path / _manifest.MANIFEST).is_file():  # not a checkpoint at all: nothing to suggest
-            raise
+        if not (path / _manifest.MANIFEST).is_file() or "while it was being loaded" in str(exc):
+            raise  # not a checkpoint at all, or gone: nothing to suggest
         raise CheckpointError(f"{exc}; {_manifest.instead(path)}") from None
+    try:
+        return snapshot, _expected(path, snapshot.body, objects, st, strict)
+    except BaseException:
+        snapshot.close()
+        raise
+
+
+def _expected(
+    path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.ProcessState, strict: bool
+) -> list[str]:
     _warn_versions(path, body, st)
     missing = sorted(set(objects) - set(body.get("objects", [])))
     if missing:
@@ -64,24 +74,25 @@ def survey(
     sharded = body["sharded"]
     expected = [f"{name}{_sharded.SUFFIX}/.metadata" if name in sharded else f"{name}.pt" for name in body["objects"]]
     expected += [f"rank-{r}.json" for r in range(body["world_size"])] + ([VALUES] if body["tensor_values"] else [])
-    return body, _share(sorted(set(expected) | set(body["files"])), body["files"], st)
+    return _share(sorted(set(expected) | set(body["files"])), body["files"], st)
 
 
 class Verification:
     """This rank's share of a checkpoint's files, checked against the manifest on a thread of its own.
 
-    It runs while the files are read (DCP's reading, mapping plain files); nothing is applied
-    before :meth:`check` has passed on every rank. The files are checksummed in pieces, and the
-    thread that calls :meth:`check` takes pieces too, so that two cores share what is left.
+    It runs while the files are read (DCP's planning, mapping plain files); nothing is applied
+    before :meth:`check` has passed on every rank. Each file's pieces are checksummed apart, and
+    the thread that calls :meth:`check` takes pieces too, so that two cores share what is left.
+    The files are the snapshot's: the bytes checked are those that are loaded.
     """
 
-    def __init__(self, path: Path, names: list[str], files: dict[str, _safe_io.FileRecord]) -> None:
+    def __init__(self, snapshot: Snapshot, names: list[str]) -> None:
         self.problem = ""
-        self._path, self._names, self._files = path, names, files
-        self._problems: dict[int, str] = {}  # by index in names
-        self._pieces: list[tuple[int, int, int]] = []  # (index in names, offset, length)
-        self._sums: dict[int, Pieces] = {}  # by index
-        self._maps: dict[int, tuple[Any, Any]] = {}  # index -> (file, mapping)
+        self._snapshot, self._names, self._files = snapshot, names, snapshot.body["files"]
+        self._problems: dict[int, str] = {}  # by index in names: the first problem of each file
+        self._pieces: list[tuple[int, int, int, int]] = []  # (index in names, piece, offset, length)
+        self._bad: dict[int, tuple[int, str]] = {}  # index -> (its first piece found wrong, what is wrong)
+        self._maps: dict[int, Any] = {}  # index -> the file, mapped
         self._next, self._lock, self._ready, self._done = 0, threading.Lock(), threading.Event(), False
         self._thread = threading.Thread(target=self._run, name="accelkit-verify")
         self._thread.start()
@@ -100,52 +111,46 @@ class Verification:
         self._work()
 
     def _open(self, index: int, name: str) -> str | None:
-        from .._checksum import pieces_for  # imported once a checkpoint is read
-
+        if self._snapshot.missing(name):
+            return "is missing"
         record = self._files[name]
-        problem = _safe_io.size_problem(self._path / name, record)
-        pieces = pieces_for(record["checksum"])
-        if problem is None and pieces is None:
-            problem = _safe_io.unknown_checksum(record)
-        if problem is None and pieces is not None:
-            self._sums[index] = pieces
+        problem = _safe_io.size_problem(self._snapshot.size(name), record)
         if problem is None and record["size"]:
-            f = open(self._path / name, "rb")
-            self._maps[index] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            self._pieces += [(index, at, min(_PIECE, record["size"] - at)) for at in range(0, record["size"], _PIECE)]
+            self._maps[index] = mmap.mmap(self._snapshot.fd(name), 0, access=mmap.ACCESS_READ)
+            self._pieces += [(index, k, at, n) for k, (at, n) in enumerate(_safe_io.pieces(record))]
         return problem
 
     def _work(self) -> None:
         """Checksum pieces until none is left (on the verifying thread and the one waiting for it)."""
         while True:
             with self._lock:
-                piece, self._next = self._next, self._next + 1
-            if piece >= len(self._pieces):
+                task, self._next = self._next, self._next + 1
+            if task >= len(self._pieces):
                 return
-            index, at, length = self._pieces[piece]
-            whole = memoryview(self._maps[index][1])
+            index, piece, at, length = self._pieces[task]
+            whole = memoryview(self._maps[index])
             try:
                 with whole[at : at + length] as view:
-                    self._sums[index].add(view, at)
+                    problem = _safe_io.piece_problem(self._files[self._names[index]], piece, view)
             finally:
                 whole.release()
+            if problem is not None:
+                with self._lock:  # the first piece of the file that is wrong
+                    if self._bad.get(index, (piece + 1,))[0] > piece:
+                        self._bad[index] = (piece, problem)
 
     def _verdict(self) -> None:
-        for f, mapping in self._maps.values():
+        for mapping in self._maps.values():
             mapping.close()
-            f.close()
         for index, name in enumerate(self._names):
-            problem = self._problems.get(index)
-            if problem is None:  # an empty file has no piece
-                problem = _safe_io.checksum_problem(self._sums[index].hexdigest(), self._files[name])
+            problem = self._problems.get(index) or self._bad.get(index, (0, ""))[1]
             if problem:
-                self.problem = (
-                    f"{self._path / name} {problem}; the checkpoint is damaged: {_manifest.instead(self._path)}"
-                )
+                path = self._snapshot.path
+                self.problem = f"{path / name} {problem}; the checkpoint is damaged: {_manifest.instead(path)}"
                 return
 
     def join(self) -> None:
-        """Wait for the check to end (its files closed), helping it; called by one thread, the one that loads."""
+        """Wait for the check to end (its files unmapped), helping it; called by one thread, the one that loads."""
         if self._done:
             return
         self._ready.wait()
@@ -169,56 +174,61 @@ class Verification:
             raise
 
 
-def read(path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Loaded:
+def read(snapshot: Snapshot, objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Loaded:
     """Deserialize what this rank needs (plain files mapped, DCP metadata checked, values, rank state)."""
+    path, body = snapshot.path, snapshot.body
     files: dict[str, _safe_io.FileRecord] = body["files"]
     states, metadata = {}, {}
     for name in objects:
         if name in body["sharded"]:
             folder = f"{name}{_sharded.SUFFIX}"
-            metadata[name] = _sharded.read_metadata(path / folder / _sharded.METADATA)
+            metadata[name] = _sharded.read_metadata(snapshot, f"{folder}/{_sharded.METADATA}")
             unlisted = sorted(f"{folder}/{ref}" for ref in _sharded.referenced_files(metadata[name]))
             unlisted = [ref for ref in unlisted if ref not in files]
             if unlisted:
                 raise CheckpointError(f"{path / unlisted[0]} is missing from the manifest; the checkpoint is damaged")
             continue
-        state = _load_file(path, f"{name}.pt")  # mapped from the file
+        state = _load_file(snapshot, f"{name}.pt")  # mapped from the file
         # A module's load_state_dict copies from the mapping; anything else keeps what it is given: its own copy,
         # made here, while the files are being verified.
         states[name] = state if isinstance(unwrapped(objects[name]), nn.Module) else _files.owned(state)
-    values = {**body["values"], **tensor_values(path, body)}
-    return Loaded(body, states, _mine(path, body, st, strict, f"rank-{st.rank}.json"), values, metadata)
+    values = {**body["values"], **tensor_values(snapshot)}
+    return Loaded(body, states, _mine(snapshot, st, strict, f"rank-{st.rank}.json"), values, metadata)
 
 
-def tensor_values(path: Path, body: dict[str, Any]) -> dict[str, Any]:
+def tensor_values(snapshot: Snapshot) -> dict[str, Any]:
     """The values saved beside tensors (``tensor-values.pt``), read into memory of their own."""
+    body = snapshot.body
     if not body["tensor_values"]:
         return {}
-    found = _files.owned(_load_file(path, VALUES))
+    found = _files.owned(_load_file(snapshot, VALUES))
     if not (isinstance(found, dict) and sorted(found) == sorted(body["tensor_values"])):
-        raise CheckpointError(f"{path / VALUES} does not hold the values {body['tensor_values']} the manifest names")
+        path = snapshot.path / VALUES
+        raise CheckpointError(f"{path} does not hold the values {body['tensor_values']} the manifest names")
     return dict(found)
 
 
-def _load_file(path: Path, name: str) -> Any:
+def _load_file(snapshot: Snapshot, name: str) -> Any:
     try:
-        return _files.load_torch(path / name)
+        found = _files.load_torch(snapshot.opener(name))
     except Exception as exc:
+        path = snapshot.path
         raise CheckpointError(
             f"{path / name} was refused: {str(exc).splitlines()[0]}; {_manifest.instead(path)}"
         ) from None
+    snapshot.check_same(name)
+    return found
 
 
-def _mine(
-    path: Path, body: dict[str, Any], st: _state.ProcessState, strict: bool, rank_file: str
-) -> _rank_state.RankState | None:
+def _mine(snapshot: Snapshot, st: _state.ProcessState, strict: bool, rank_file: str) -> _rank_state.RankState | None:
+    path, body = snapshot.path, snapshot.body
     what = "its RNG states, grad scaler and dataloader positions were not restored"
     if rank_file not in body["files"] or body["world_size"] != st.world_size:  # else strict=False: not our ranks
         saved = f"saved by {body['world_size']} processes, this job has {st.world_size}"
         _skipped(path, st, f"{path / rank_file} ({saved}): {what}")
         return None
     try:
-        mine = _rank_state.decode(json.loads((path / rank_file).read_bytes()), st.rank)
+        mine = _rank_state.decode(json.loads(snapshot.read_bytes(rank_file)), st.rank)
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path / rank_file} is malformed: {exc}") from None
     problem = _rank_state.check_fits(mine)
@@ -279,11 +289,12 @@ def check_fits(call: str, path: Path, objects: dict[str, Any], body: dict[str, A
     return sharded
 
 
-def readers(path: Path, objects: dict[str, Any], loaded: Loaded, owners: dict[str, Any]) -> dict[str, Any]:
+def readers(snapshot: Snapshot, objects: dict[str, Any], loaded: Loaded, owners: dict[str, Any]) -> dict[str, Any]:
     """For each DCP object, checked against the checkpoint, the function that reads this rank's shards in place."""
     out: dict[str, Callable[[], None]] = {}
     for name, metadata in loaded.metadata.items():
-        out[name] = _sharded.load(path / f"{name}{_sharded.SUFFIX}", unwrapped(objects[name]), owners[name], metadata)
+        folder = f"{name}{_sharded.SUFFIX}"
+        out[name] = _sharded.load(snapshot, folder, unwrapped(objects[name]), owners[name], metadata)
     return out
 
 

@@ -2,8 +2,9 @@
 
 ``manifest.json`` is written last, into the temporary directory, just before it is
 renamed into place: a directory with a valid manifest is whole. The manifest lists every
-file with its size and checksum, and carries its own checksum so that a damaged manifest
-is told apart from a different checkpoint.
+file with its size and the XXH3-128 of each of its pieces (:mod:`accelkit._checksum`), and
+carries the XXH3-128 of its own body; its bytes must be exactly those it was written with, so
+that a damaged manifest (a byte changed, bytes appended) is told apart from a different checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import platform
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,19 @@ __all__ = ["MANIFEST", "build", "committed", "read", "version_change"]
 
 MANIFEST = "manifest.json"
 FORMAT = "accelkit-checkpoint"
-VERSION = 2  # 2: files checksummed with sum64; 1: with CRC-32 (still read)
-_READABLE = (1, 2)
+VERSION = 3  # 3: XXH3-128 of each piece; 2 (sum64) and 1 (CRC-32) were never released and are refused
 _MAX_BYTES = 64 << 20  # a manifest is small; refuse to parse a huge file as one
 
 
 def _body_checksum(body: dict[str, Any]) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return f"crc32:{zlib.crc32(text.encode()):08x}"
+    from .._checksum import digest
+
+    return f"xxh3_128:{digest(json.dumps(body, sort_keys=True, separators=(',', ':')).encode())}"
+
+
+def _render(body: dict[str, Any]) -> bytes:
+    """The manifest's bytes for ``body``: what :func:`build` writes and :func:`read` expects, byte for byte."""
+    return json.dumps({"checksum": _body_checksum(body), "body": body}, indent=1).encode()
 
 
 def build(
@@ -71,18 +76,23 @@ def build(
         "tensor_values": tensor_values or [],
         "files": files,
     }
-    return json.dumps({"checksum": _body_checksum(body), "body": body}, indent=1).encode()
+    return _render(body)
 
 
-def read(directory: Path) -> dict[str, Any]:
-    """The manifest body of the checkpoint in ``directory``; CheckpointError if it is not one."""
+def read(directory: Path, dir_fd: int | None = None) -> dict[str, Any]:
+    """The manifest body of the checkpoint in ``directory``; CheckpointError if it is not one.
+
+    ``dir_fd``: the directory, open (the manifest is read from that directory even if it was renamed).
+    """
     path = directory / MANIFEST
     try:
-        size = path.stat().st_size
-        if size > _MAX_BYTES:
-            raise CheckpointError(f"{path} is {size} bytes, too large to be a manifest")
-        raw = json.loads(path.read_bytes())
-    except FileNotFoundError:
+        with open(os.open(MANIFEST if dir_fd is not None else path, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_BYTES:
+                raise CheckpointError(f"{path} is {size} bytes, too large to be a manifest")
+            data = f.read()
+        raw = json.loads(data)
+    except (FileNotFoundError, NotADirectoryError):
         hint = "not a directory" if not directory.is_dir() else "has no manifest.json (not a committed checkpoint)"
         raise CheckpointError(
             f"{directory} {hint}; pass a directory written by ak.save_state, e.g. ak.latest_checkpoint(root)"
@@ -92,12 +102,18 @@ def read(directory: Path) -> dict[str, Any]:
     body = raw.get("body") if isinstance(raw, dict) else None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an accelkit checkpoint manifest (no format {FORMAT!r})")
+    if body.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path} has format version {body.get('version')!r} (accelkit {body.get('accelkit')!r} wrote it); this "
+            f"accelkit ({__version__}) reads version {VERSION} only: load it with the accelkit that wrote it and save "
+            f"it again with this one"
+        )
     if raw.get("checksum") != _body_checksum(body):
         raise CheckpointError(f"{path} has a wrong checksum: the manifest's content was changed or damaged")
-    if body.get("version") not in _READABLE:
+    if data != _render(body):
         raise CheckpointError(
-            f"{path} has format version {body.get('version')!r}; this accelkit reads versions "
-            f"{' and '.join(map(str, _READABLE))}: load it with the accelkit that wrote it ({body.get('accelkit')!r})"
+            f"{path} holds {len(data)} bytes, not the {len(_render(body))} its content was written as: bytes were "
+            f"added or changed outside what its checksum covers; the manifest is damaged"
         )
     _check_files(path, body.get("files"))
     for key in ("sharded", "full"):  # absent from checkpoints of earlier versions
@@ -125,13 +141,26 @@ def version_change(body: dict[str, Any]) -> str:
 
 
 def _check_files(path: Path, files: Any) -> None:
+    from .._checksum import KEY
+
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: 'files' is {type(files).__name__}, expected a mapping")
     for name, rec in files.items():
         if not _is_plain(name):
             raise CheckpointError(f"{path}: file name {name!r} is not a plain file name (or FOLDER/NAME)")
-        if not (isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get("checksum"), str)):
-            raise CheckpointError(f"{path}: the entry of {name!r} is {rec!r}, expected a size and a checksum")
+        size, piece, digests = (rec.get(k) for k in ("size", "piece", KEY)) if isinstance(rec, dict) else (None,) * 3
+        if not (
+            is_int(size)
+            and is_int(piece)
+            and size >= 0
+            and piece > 0
+            and isinstance(digests, list)
+            and len(digests) == -(-size // piece)
+            and all(isinstance(d, str) for d in digests)
+        ):
+            raise CheckpointError(
+                f"{path}: the entry of {name!r} is {rec!r:.200}, expected its size, piece size and a digest a piece"
+            )
 
 
 def _is_plain(name: Any) -> bool:
@@ -179,9 +208,31 @@ def missing_or_cut(directory: Path, body: dict[str, Any]) -> str:
     return ""
 
 
-def instead(damaged: Path) -> str:
-    """What to load instead of the damaged checkpoint ``damaged``: the newest whole one beside it."""
+def instead(damaged: Path, tries: int = 3) -> str:
+    """Whether another checkpoint beside ``damaged`` verifies (every byte read): the newest that does, to load instead.
+
+    Up to ``tries`` of the newest whole ones are verified, newest first.
+    """
     others = [path for _, path in committed(damaged.parent, whole=True) if path.resolve() != damaged.resolve()]
+    for other in reversed(others[-tries:]):
+        if not damage(other):
+            return f"{other} verifies: load it instead, ak.load_state({str(other)!r}, ...)"
     if not others:
-        return f"no other whole checkpoint is in {damaged.parent}"
-    return f"load the newest whole one there instead: ak.load_state({str(others[-1])!r}, ...)"
+        return f"no other checkpoint in {damaged.parent} verifies (no other is whole)"
+    checked = min(tries, len(others))
+    return f"no other checkpoint in {damaged.parent} verifies ({len(others)} there; the newest {checked} checked)"
+
+
+def damage(directory: Path) -> str:
+    """The first damaged file of the checkpoint in ``directory`` and what is wrong with it; "" when it verifies."""
+    from .._safe_io import check_file
+
+    try:
+        body = read(directory)
+    except CheckpointError as exc:
+        return str(exc)
+    for name, record in body["files"].items():
+        problem = check_file(directory / name, record)
+        if problem:
+            return f"{directory / name} {problem}"
+    return ""

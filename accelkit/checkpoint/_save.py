@@ -7,9 +7,12 @@ ranks agree that all succeeded, the main process writes the manifest and renames
 directory into place (``_commit``), the ranks agree again, and only then is anything pruned.
 """
 
+import contextlib
 import json
 import os
+import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,7 +21,7 @@ from . import _commit, _files, _manifest, _rank_state, _sharded
 from ._agree import Agreement
 from ._objects import Contents
 
-__all__ = ["VALUES", "Job", "begin", "write"]
+__all__ = ["VALUES", "Job", "begin", "discarding", "write"]
 
 VALUES = "tensor-values.pt"  # object files are NAME.pt with NAME an identifier: no clash
 
@@ -80,7 +83,8 @@ def begin(call: str, directory: str | os.PathLike[str], keep_last: int | None, c
 def write(job: Job, agree: Agreement, group: Any = None) -> Path:
     """Write, agree, commit and prune; every rank must call it. ``group``: DCP's (None: the default)."""
     undo = (
-        f"nothing was committed; the previous checkpoints are untouched and {job.tmp.name} is removed by the next save"
+        f"nothing was committed; the previous checkpoints are untouched and the temporary directory {job.tmp.name} "
+        f"was removed"
     )
     contents, tmp = job.contents, job.tmp
 
@@ -117,10 +121,10 @@ def write(job: Job, agree: Agreement, group: Any = None) -> Path:
             )
             _commit.commit(tmp, job.target, manifest, flusher)  # waits for this rank's files too
 
-    with flusher:  # on failure, waits for what is left of the fsyncs before the error goes on
-        parts = agree.gather(undo, files_of_this_rank)
+    with discarding(job, agree) as writing, flusher:  # on failure, the fsyncs left end before tmp is removed
+        parts = writing.gather(undo, files_of_this_rank)
         files = {name: rec for part in parts for name, rec in part.items()}
-        agree.each(undo, commit)
+        writing.each(undo, commit)
     if job.keep_last is not None:
         keep = job.keep_last
         agree.each(
@@ -128,3 +132,33 @@ def write(job: Job, agree: Agreement, group: Any = None) -> Path:
             lambda: _commit.prune(job.target, keep) if job.main else None,
         )
     return job.target
+
+
+@contextlib.contextmanager
+def discarding(job: Job, agree: Agreement) -> Iterator[Agreement]:
+    """``agree``, for the steps that write into ``job.tmp``: if one fails, the main process removes ``job.tmp``.
+
+    Only once an agreement came back (every rank's step had ended: none writes into it any more); when the
+    exchange itself failed (a rank gone) or this rank stopped before it, ``job.tmp`` is left for the next save.
+    """
+    came_back = agree.exchange is None  # one process: its own step has ended
+
+    def exchange(outcome: Any) -> list[Any]:
+        nonlocal came_back
+        outcomes = agree.exchange(outcome) if agree.exchange is not None else [outcome]
+        came_back = True
+        return outcomes
+
+    try:
+        yield agree if agree.exchange is None else agree._replace(exchange=exchange)
+    except BaseException as error:
+        if job.main and came_back:
+            try:
+                shutil.rmtree(job.tmp)
+            except FileNotFoundError:  # renamed into place before the failure
+                pass
+            except OSError as exc:  # the message said it was removed: say what is left
+                note = getattr(error, "add_note", None)  # Python 3.11+
+                if note is not None:
+                    note(f"{job.tmp} could not be removed ({exc}); the next save removes it")
+        raise

@@ -31,6 +31,7 @@ from ..errors import CheckpointError
 
 if TYPE_CHECKING:
     from . import _load
+    from ._agree import Agreement
 
 # The machinery (_save, _load, _manifest, ...) loads with the first call that needs it, not with
 # the names: ``import accelkit`` and every public name stay cheap for a script that never saves.
@@ -61,9 +62,14 @@ def save_state(
     ``blocking=False`` returns once the state is copied to host memory; a background thread
     writes and commits it with the same guarantees (one save in flight: the next call waits for
     it). Its failure raises at the next ``save_state``, ``load_state``, :func:`wait_for_checkpoint`
-    or ``ak.end_training()``, on every rank. ``full_state=True`` gathers sharded models and
-    their optimizers into one consolidated state (``NAME.pt`` on the main process) that loads on
-    any number of processes and strategies; optimizers then need their model passed too.
+    or ``ak.end_training()``, on every rank: call :func:`wait_for_checkpoint` before the script
+    ends to handle it. A failure no call raised (``ak.reset_state()`` only warns) ends the
+    process with exit code 1 at interpreter exit, the error on stderr (on each rank: launchers
+    name them). A failed save's temporary directory is removed, blocking or not.
+
+    ``full_state=True`` gathers sharded models and their optimizers into one consolidated state
+    (``NAME.pt`` on the main process) that loads on any number of processes and strategies;
+    optimizers then need their model passed too.
 
     Example:
         >>> import accelkit as ak, torch
@@ -139,43 +145,63 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
                 f"before the objects exist: ak.read_checkpoint(directory))"
             )
     finish_saving(call)
-    from . import _load, _objects, _rank_state
+    from . import _load, _objects
     from ._agree import Agreement
+    from ._snapshot import Snapshot
 
     st = _state.get()
     path = Path(directory)
     agree = Agreement.here(call)
     nothing = "nothing was changed"
-    started: list[_load.Verification] = []  # joined however the load ends
+    opened: list[tuple[Snapshot, _load.Verification | None]] = []  # closed however the load ends
 
     def read() -> _Read:
-        body, mine = _load.survey(path, objects, st, strict)
-        check = _load.Verification(path, mine, body["files"])  # while the files are read
-        started.append(check)
-        loaded = check.first(lambda: _load.read(path, body, objects, st, strict))
+        snapshot, mine = _load.survey(path, objects, st, strict)  # the files open: what is verified is loaded
+        opened.append((snapshot, None))
+        check = _load.Verification(snapshot, mine)  # while the files are read
+        opened[-1] = (snapshot, check)
+        loaded = check.first(lambda: _load.read(snapshot, objects, st, strict))
         try:  # what the call asks for against what the checkpoint holds: the same on every rank
-            sharded = _load.check_fits(call, path, objects, body)
-            owned = {n: o for n, o in objects.items() if n in sharded or (n in body["full"] and not _is_module(o))}
+            sharded = _load.check_fits(call, path, objects, snapshot.body)
+            owned = {
+                n: o for n, o in objects.items() if n in sharded or (n in snapshot.body["full"] and not _is_module(o))
+            }
             owners = _objects.owners(call, owned, objects)
         except (CheckpointError, ValueError, TypeError) as misuse:
-            return _Read(body, loaded, {}, {}, misuse)
-        appliers = check.first(lambda: _load.readers(path, objects, loaded, owners))  # DCP's plans, checked
+            return _Read(snapshot.body, loaded, {}, {}, misuse)
+        appliers = check.first(lambda: _load.readers(snapshot, objects, loaded, owners))  # DCP's plans, checked
         check.check()  # every file verified before DCP reads into the live tensors (below)
-        return _Read(body, loaded, owners, appliers, None)
+        return _Read(snapshot.body, loaded, owners, appliers, None)
 
-    try:  # one exchange: each rank's reading, plans and checksums; nothing changed yet
-        body, loaded, owners, appliers, misuse = agree.each(nothing, read)
+    try:
+        # One exchange: each rank's reading, plans and checksums, and which checkpoint it read (a save may have
+        # replaced the directory between two ranks' reads); nothing changed yet.
+        return _apply(call, path, objects, agree, agree.each_same(nothing, read, _saved_at))
     finally:
-        for started_check in started:
-            started_check.join()
+        for snapshot, check in opened:
+            if check is not None:
+                check.join()
+            snapshot.close()
+
+
+def _saved_at(read: _Read) -> str:
+    """Which checkpoint a rank read: when it was committed, and by how many processes."""
+    return f"saved at {read.body.get('created_ns')} ns by {read.body.get('world_size')} processes"
+
+
+def _apply(call: str, path: Path, objects: dict[str, Any], agree: Agreement, read: _Read) -> dict[str, Any]:
+    """load_state's changes, once every rank read and verified the same checkpoint."""
+    from . import _load, _rank_state
+
+    body, loaded, owners, appliers, misuse = read
     if misuse is not None:
         raise misuse
     left = sorted(set(body["objects"]) - set(objects))
-    if left and st.is_main_process:
+    if left and _state.get().is_main_process:
         warnings.warn(
             f"{call}: the checkpoint also holds {', '.join(left)}, which this call does not restore; pass "
             f"{', '.join(f'{n}={n}' for n in left)} to restore it too",
-            stacklevel=2,
+            stacklevel=4,
         )
 
     def read_shards() -> None:  # every rank its own shards, in place; one exchange after all of them

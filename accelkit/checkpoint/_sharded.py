@@ -7,9 +7,10 @@ checksumming every file while writing (:class:`_HashingFileSystem`), so that the
 protocol of ``ak.save_state`` covers them as any other file. Loading reads ``.metadata``
 with a restricted unpickler, runs DCP's planning and unpickles every non-tensor item with
 ``torch.load(weights_only=True)`` first (:func:`load`); once every file is verified, the
-function it returns reads the shards into the live tensors, as ``dcp.load`` does, on the plan
-already made, each tensor copied once from the mapped file (:mod:`._dcp_read`).
-DCP reshards on load: a checkpoint saved by N processes loads on M, sharded or not.
+function it returns reads the shards into the live tensors with ``dcp.load``, through a
+``FileSystemReader`` of ours that reads the checkpoint's snapshot (the files that were verified)
+and hands DCP the metadata read before, and a load planner of ours that refuses non-tensor items
+needing code to unpickle. DCP reshards on load: a checkpoint saved by N processes loads on M, sharded or not.
 
 ``torch.distributed.checkpoint`` is imported here, inside functions: ``import accelkit``
 does not pay for it.
@@ -34,6 +35,7 @@ from .. import _safe_io
 from ..errors import CheckpointError
 from ..training import PreparedOptimizer
 from . import _files, _rank_state
+from ._snapshot import Snapshot as _Snapshot
 
 __all__ = [
     "METADATA",
@@ -168,9 +170,12 @@ def _single_process_is_meant() -> Iterator[None]:
         yield
 
 
-def _dcp_failure(exc: BaseException) -> str:
-    """DCP's failure, each failed rank's error without its traceback."""
+def _dcp_failure(exc: BaseException, local: bool = False) -> str:
+    """DCP's failure, each failed rank's error without its traceback; ``local``: this rank's alone (DCP ran
+    without collectives, and numbers this rank 0)."""
     failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures and local:
+        return "; ".join(_first_line(failure[0]) for _, failure in sorted(failures.items()))
     if isinstance(failures, dict) and failures:  # DCP's CheckpointException: {rank: (exception, traceback)}
         parts = [f"rank {rank}: {_first_line(failure[0])}" for rank, failure in sorted(failures.items())]
         return "torch.distributed.checkpoint failed on " + "; ".join(parts)
@@ -213,12 +218,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
-def read_metadata(path: Path) -> Any:
-    """DCP's ``Metadata`` from ``path``, unpickled without running code; CheckpointError if refused."""
+def read_metadata(snapshot: _Snapshot, name: str) -> Any:
+    """DCP's ``Metadata`` from the file ``name`` of ``snapshot``, unpickled without running code; CheckpointError
+    if refused."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    path = snapshot.path / name
     try:
-        found = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        found = _MetadataUnpickler(io.BytesIO(snapshot.read_bytes(name))).load()
     except Exception as exc:
         raise CheckpointError(f"{path} was refused: {_first_line(exc)}") from None
     if not isinstance(found, Metadata):
@@ -236,9 +243,9 @@ def _planner_type() -> type:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _SafePlanner(DefaultLoadPlanner):
-        def __init__(self) -> None:
+        def __init__(self, checked: set[bytes] | None = None) -> None:
             super().__init__()
-            self.checked: set[bytes] = set()  # items already unpickled as weights_only (by _plan)
+            self.checked: set[bytes] = checked or set()  # items already unpickled as weights_only (by _plan)
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             # DCP unpickles non-tensor items without restriction: check that they need no code first.
@@ -250,59 +257,96 @@ def _planner_type() -> type:
     return _SafePlanner
 
 
-def _plan(folder: Path, state: dict[str, Any], metadata: Any) -> tuple[Any, Any]:
-    """DCP's planner and local plan for loading ``state`` from ``folder``; what DCP would refuse, raised now.
+@functools.cache
+def _local(dcp_load: Callable[..., Any]) -> dict[str, bool]:
+    """``dcp.load``'s argument for a load without collectives (``no_dist``; torch 2.4 has none, and uses the
+    group: every rank loads the same objects in the same order, so they meet there)."""
+    import inspect
+
+    return {"no_dist": True} if "no_dist" in inspect.signature(dcp_load).parameters else {}
+
+
+@functools.cache
+def _reader_type() -> type:
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+
+    class _SnapshotFileSystem(FileSystem):
+        """Opens a checkpoint's files as its snapshot holds them (the verified ones), never by their path now."""
+
+        def __init__(self, snapshot: _Snapshot) -> None:
+            super().__init__()
+            self.snapshot = snapshot
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "r" not in mode or "+" in mode:
+                raise PermissionError(f"{path}: a checkpoint is read, not written, when it is loaded")
+            name = Path(path).relative_to(self.snapshot.path).as_posix()
+            with open(self.snapshot.opener(name), "rb") as stream:
+                yield stream
+            self.snapshot.check_same(name)
+
+    class _SnapshotReader(FileSystemReader):
+        """DCP's reader of a checkpoint's folder, over its snapshot, with the metadata read (restricted) before."""
+
+        def __init__(self, snapshot: _Snapshot, folder: str, metadata: Any) -> None:
+            super().__init__(snapshot.path / folder)
+            self.fs = _SnapshotFileSystem(snapshot)
+            self.metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self.metadata
+
+    return _SnapshotReader
+
+
+def _plan(snapshot: _Snapshot, folder: str, state: dict[str, Any], metadata: Any) -> Any:
+    """DCP's planner for loading ``state`` from ``folder``, its plan checked; what DCP would refuse, raised now.
 
     DCP's own planning (keys, sizes) runs here, and every non-tensor item it would read is
-    unpickled as ``torch.load(weights_only=True)`` does, so that the in-place read that follows
-    meets nothing it refuses once it has begun. The planner keeps those items' bytes: the same
-    bytes read again need no second check.
+    unpickled as ``torch.load(weights_only=True)`` does, so that the load that follows meets
+    nothing it refuses once it has begun. The planner keeps those items' bytes: the same bytes
+    read again need no second check.
     """
     from torch.distributed.checkpoint.planner import LoadItemType
 
     planner = _planner_type()()
     planner.set_up_planner(state, metadata, False)
     plan = planner.create_local_plan()
-    with contextlib.ExitStack() as files:
-        opened: dict[str, Any] = {}  # each file opened once
-        for item in plan.items:
-            if item.type != LoadItemType.BYTE_IO:
-                continue
-            info = metadata.storage_data[item.storage_index]
-            where = f"the item {item.storage_index.fqn} in {info.relative_path}"
-            if info.transform_descriptors:  # accelkit writes none
-                raise ValueError(f"{where} is stored transformed ({info.transform_descriptors}): accelkit refuses it")
-            name = str(info.relative_path)
-            f = opened.get(name)
-            if f is None:
-                f = opened[name] = files.enter_context(open(folder / name, "rb"))
-            f.seek(info.offset)
-            data = f.read(info.length)
-            try:
-                torch.load(io.BytesIO(data), weights_only=True)
-            except Exception as exc:
-                raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
-            planner.checked.add(data)
-    return planner, plan
+    for item in plan.items:
+        if item.type != LoadItemType.BYTE_IO:
+            continue
+        info = metadata.storage_data[item.storage_index]
+        where = f"the item {item.storage_index.fqn} in {info.relative_path}"
+        if info.transform_descriptors:  # accelkit writes none
+            raise ValueError(f"{where} is stored transformed ({info.transform_descriptors}): accelkit refuses it")
+        data = os.pread(snapshot.fd(f"{folder}/{info.relative_path}"), info.length, info.offset)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
+        planner.checked.add(data)
+    return _planner_type()(checked=planner.checked)
 
 
-def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Callable[[], None]:
-    """Check that ``folder`` loads into ``obj``, changing nothing; the function that loads it, in place.
+def load(snapshot: _Snapshot, folder: str, obj: Any, owner: nn.Module | None, metadata: Any) -> Callable[[], None]:
+    """Check that ``folder`` of ``snapshot`` loads into ``obj``, changing nothing; the function that loads it.
 
     The check raises CheckpointError when the checkpoint does not fit ``obj``: DCP's planning and
     every non-tensor item. Called once every file is verified, the function then meets nothing to
-    refuse: it reads verified bytes into the live tensors, as ``dcp.load`` does, on the plan the
-    check made. It reads this rank's shards without DCP's collectives (a load's global plan is
-    every rank's own plan), so the caller shares its outcome between the ranks, once for every
-    object. ``metadata`` is the folder's, as :func:`read_metadata` read it: both use it, neither
-    reads it again.
+    refuse: ``dcp.load`` reads the verified files into the live tensors. It reads this rank's
+    shards without DCP's collectives (a load's global plan is every rank's own plan), so the
+    caller shares its outcome between the ranks, once for every object. ``metadata`` is the
+    folder's, as :func:`read_metadata` read it: both use it, neither reads it again.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     if isinstance(obj, nn.Module):
         module, optimizer = obj, None
@@ -311,28 +355,26 @@ def load(folder: Path, obj: Any, owner: nn.Module | None, metadata: Any) -> Call
     else:
         raise TypeError(f"{type(obj).__qualname__} is loaded from DCP: pass the module it optimizes (optimizer_owner)")
     fresh = optimizer is not None and not optimizer.state
-    failed = f"{folder} could not be loaded into {type(obj).__qualname__}"
+    failed = f"{snapshot.path / folder} could not be loaded into {type(obj).__qualname__}"
     target: Any  # the state dict of get_model_state_dict or get_optimizer_state_dict
     try:
         if optimizer is None:
             target = get_model_state_dict(module)  # the live tensors
         else:
             target = get_optimizer_state_dict(module, optimizer)  # initialises a fresh optimizer's state
-        planner, plan = _plan(folder, target, metadata)
+        planner = _plan(snapshot, folder, target, metadata)
     except Exception as exc:
         if fresh and optimizer is not None:
             optimizer.state.clear()  # as it was
         raise CheckpointError(f"{failed} (nothing was changed): {_dcp_failure(exc)}") from exc
 
     def apply() -> None:
-        # The rest of dcp.load for one process (no_dist), on the plan made above: planned once.
-        from . import _dcp_read
-
+        reader = _reader_type()(snapshot, folder, metadata)
         try:
-            (central,) = planner.create_global_plan([plan])
-            _dcp_read.read_items(folder, metadata, planner, planner.finish_plan(central))
-        except Exception as exc:
-            raise CheckpointError(f"{failed}: {_first_line(exc)}") from exc
+            with _single_process_is_meant():
+                dcp_load(target, storage_reader=reader, planner=planner, **_local(dcp_load))
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(f"{failed}: {_dcp_failure(exc, local=True)}") from exc
         if optimizer is None:
             set_model_state_dict(module, target)
         else:
