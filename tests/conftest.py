@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing.resource_tracker
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -88,6 +89,13 @@ def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
         problems.append(f"child processes left running: {sorted(leaked)}")
     if torch.cuda.is_initialized() and not cuda_before and request.node.get_closest_marker("gpu") is None:
         problems.append("CUDA was initialised in the test process (later tests that fork fail): do it in workers")
+    saving = sys.modules.get("accelkit.checkpoint._async")
+    lost = saving._unreported() if saving is not None else []
+    if lost:  # else the whole session would end with exit code 1, as a script does
+        problems.append(
+            f"a background save failed and no call raised it ({lost[0][2]!r}): raise it with ak.wait_for_checkpoint()"
+        )
+        lost.clear()
     if problems:
         pytest.fail("test hygiene: " + "; ".join(problems))
 
