@@ -243,9 +243,21 @@ def _planner_type() -> type:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _SafePlanner(DefaultLoadPlanner):
-        def __init__(self, checked: set[bytes] | None = None) -> None:
+        """DCP's default load planner that plans once and refuses non-tensor items needing code to unpickle.
+
+        :func:`_plan` plans (and checks) before anything is applied; ``dcp.load`` then sets the planner
+        up again over the same live tensors and gets the same plan back, not made a second time.
+        """
+
+        def __init__(self) -> None:
             super().__init__()
-            self.checked: set[bytes] = checked or set()  # items already unpickled as weights_only (by _plan)
+            self.checked: set[bytes] = set()  # items already unpickled as weights_only (by _plan)
+            self.plan: Any = None
+
+        def create_local_plan(self) -> Any:
+            if self.plan is None:
+                self.plan = super().create_local_plan()
+            return self.plan
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             # DCP unpickles non-tensor items without restriction: check that they need no code first.
@@ -326,7 +338,7 @@ def _plan(snapshot: _Snapshot, folder: str, state: dict[str, Any], metadata: Any
         except Exception as exc:
             raise ValueError(f"{where} was refused: {_first_line(exc)}") from None
         planner.checked.add(data)
-    return _planner_type()(checked=planner.checked)
+    return planner
 
 
 def load(snapshot: _Snapshot, folder: str, obj: Any, owner: nn.Module | None, metadata: Any) -> Callable[[], None]:
