@@ -51,6 +51,11 @@ SPELLINGS: dict[str, str] = {
     "InitProcessGroupKwargs": "ak.init(timeout=..., backend=...)",
     "FullyShardedDataParallelPlugin": 'ak.init(strategy="fsdp", fsdp_wrap=[...])',
     "DeepSpeedPlugin": 'ak.init(strategy="deepspeed", deepspeed_config="ds.json")',
+    "distributed_type": 'ak.strategy() ("single", "ddp", "fsdp", "deepspeed"; the device: ak.device().type)',
+    "DistributedType": 'ak.strategy() ("single", "ddp", "fsdp", "deepspeed"; the device: ak.device().type)',
+    "is_xpu_available": "torch.xpu.is_available()",
+    "is_npu_available": 'hasattr(torch, "npu") and torch.npu.is_available() (torch_npu installed)',
+    "is_schedulefree_available": 'importlib.util.find_spec("schedulefree") is not None',
 }
 
 

@@ -282,6 +282,8 @@ def test_several_losses_per_step_with_steps_1_given_are_silent() -> None:
         ("set_trigger", "ak.set_breakpoint()"),
         ("notebook_launcher", "ak.launch(fn"),
         ("Accelerator", "there is no Accelerator object"),
+        ("distributed_type", "ak.strategy()"),
+        ("is_schedulefree_available", 'find_spec("schedulefree")'),
     ],
 )
 def test_accelerate_names_on_the_module_name_accelkit_s_spelling(name: str, spelling: str) -> None:

@@ -24,7 +24,7 @@ def profiled(directory: str, schedule: dict[str, int] | None) -> tuple[str, list
     model = ak.prepare(torch.nn.Linear(8, 8))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        with ak.profile(output_trace_dir=directory, schedule_option=schedule, record_shapes=True) as prof:
+        with ak.profile(output_trace_dir=directory, schedule_option=schedule, record_shapes=True, row_limit=10) as prof:
             for _ in range(6):
                 step(model)
                 prof.step()
@@ -52,7 +52,7 @@ def test_each_rank_writes_a_chrome_trace_and_the_main_process_prints_the_table(
 
 def test_the_traces_go_under_the_project_directory_by_default(tmp_path: Path) -> None:
     ak.init(project_dir=str(tmp_path))
-    with ak.profile(row_limit=0, activities=["cpu"]) as prof:
+    with ak.profile(activities=["cpu"]) as prof:
         torch.ones(4, 4).sum()
     assert isinstance(prof, torch.profiler.profile)
     trace = tmp_path / "profile" / "rank0.pt.trace.json"
@@ -64,6 +64,14 @@ def test_a_schedule_that_never_records_warns_and_writes_nothing(tmp_path: Path) 
         with ak.profile(output_trace_dir=tmp_path, schedule_option={"wait": 3, "warmup": 1, "active": 1}) as prof:
             prof.step()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_nothing_is_printed_unless_a_table_is_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As Accelerate's profile: a literal port of its example, which prints the table itself, shows it once."""
+    with ak.profile(output_trace_dir=tmp_path, activities=["cpu"]) as prof:
+        torch.ones(4, 4).sum()
+    assert capsys.readouterr().out == ""
+    assert "Self CPU time total" in prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=5)
 
 
 def test_the_body_raising_still_writes_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,7 +43,7 @@ def profile(
     with_flops: bool = False,
     with_modules: bool = False,
     output_trace_dir: str | os.PathLike[str] | None = None,
-    row_limit: int = 10,
+    row_limit: int = 0,
     sort_by: str | None = None,
 ) -> Iterator[torch.profiler.profile]:
     """Profile the body with ``torch.profiler`` on every rank (Accelerate's ``accelerator.profile()``).
@@ -58,15 +58,16 @@ def profile(
     read it): of the whole block, or with a schedule of the last whole recorded window (the
     window the block's end cuts short counts only when no other was recorded);
     ``on_trace_ready`` is called for every window, as by torch. On leaving the block the main
-    process prints that window's ``row_limit`` most expensive ops (0: no table) sorted by
-    ``sort_by`` (default: self device time when a device was profiled, else self CPU time), and
-    the ranks wait for each other, so that every trace exists afterwards. When the body raises
+    process prints nothing unless asked, as Accelerate's does (its examples print
+    ``prof.key_averages().table(...)`` themselves): ``row_limit=N`` prints that window's N most
+    expensive ops sorted by ``sort_by`` (default: self device time when a device was profiled,
+    else self CPU time). The ranks then wait for each other, so that every trace exists afterwards. When the body raises
     the trace is still written, with no table and no wait. A schedule whose active window never
     came warns and writes nothing. A later profile overwrites the traces.
 
     Example:
         >>> import accelkit as ak, tempfile, torch
-        >>> with ak.profile(output_trace_dir=tempfile.mkdtemp(), row_limit=0) as prof:
+        >>> with ak.profile(output_trace_dir=tempfile.mkdtemp()) as prof:
         ...     _ = torch.ones(8, 8) @ torch.ones(8, 8)
         >>> len(prof.key_averages()) > 0
         True
@@ -85,7 +86,7 @@ def profile(
             f"torch.profiler.tensorboard_trace_handler('runs/profile')"
         )
     if not is_int(row_limit) or row_limit < 0:
-        raise ValueError(f"{_CALL}(row_limit={row_limit!r}): expected an integer >= 0 (0: print no table)")
+        raise ValueError(f"{_CALL}(row_limit={row_limit!r}): expected an integer >= 0 (0, the default: print no table)")
     if sort_by is not None and sort_by not in _SORT_KEYS:  # checked now: the table is made after the run
         raise ValueError(
             f"{_CALL}(sort_by={sort_by!r}): expected one of {', '.join(map(repr, _SORT_KEYS))}"
