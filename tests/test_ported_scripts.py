@@ -207,8 +207,9 @@ def test_backward_outside_accumulate_with_one_step_is_silent() -> None:
 # --- several backward calls in one region with steps left at 1 (nanoGPT's micro-step loop) ------
 
 
-def micro_steps(per_region: bool) -> tuple[list[str], list[float]]:
-    """4 micro-batches per optimizer step: in one region (the trap) or one region each (the fix)."""
+def micro_steps(per_region: bool, count: bool = True) -> tuple[list[str], list[float]]:
+    """4 micro-batches per optimizer step: in one region (the trap), one region each without the count (the other
+    trap), or one region each with it (the fix)."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     model, opt = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -219,7 +220,7 @@ def micro_steps(per_region: bool) -> tuple[list[str], list[float]]:
         for _ in range(2):  # two optimizer steps
             if per_region:
                 for x in batches:
-                    with ak.accumulate(model, steps=4):
+                    with ak.accumulate(model, steps=4) if count else ak.accumulate(model):
                         ak.backward(model(x).pow(2).mean())
             else:
                 with ak.accumulate(model):
@@ -257,6 +258,26 @@ def test_several_backwards_in_one_region_warn_once_and_regions_per_micro_step_ar
     expected = reference_micro_steps()
     for messages, params in pool.run(micro_steps, True):
         assert messages == [] and params == pytest.approx(expected, abs=1e-6)
+
+
+def test_micro_steps_in_regions_without_their_count_warn_once_at_the_step(pool: WorkerPool) -> None:
+    """`for _ in range(4): with ak.accumulate(model): ...` then one step: 4 whole steps' gradients, each synced."""
+    for messages, _ in pool.run(micro_steps, True, False):
+        assert len(messages) == 1, messages
+        assert messages[0].startswith("4 ak.accumulate(model) regions with steps left at 1 ran ak.backward before")
+        assert "`with ak.accumulate(model, steps=4):`" in messages[0]
+
+
+def test_one_region_per_optimizer_step_is_silent() -> None:
+    model = nn.Linear(3, 1)
+    model, opt = ak.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            with ak.accumulate(model):
+                ak.backward(model(torch.ones(2, 3)).sum())
+            opt.step()
+            opt.zero_grad()
 
 
 def test_several_losses_per_step_with_steps_1_given_are_silent() -> None:

@@ -89,6 +89,8 @@ class TrainingState:
     - ``accumulation_steps``: the steps of the innermost ``ak.accumulate`` (1 outside);
       ``accumulating``: how many ``ak.accumulate`` regions are open (0 outside).
     - ``backward_calls``: ``ak.backward`` calls so far (a region compares it at entry and exit).
+    - ``whole_regions``: ``ak.accumulate`` regions with ``steps`` left at 1 that ran ``ak.backward``
+      since a prepared optimizer last stepped (more than one: micro-steps in a loop without ``steps=``).
     - ``warned``: the training warnings given once (again after a reset: a new run).
     - ``strategy``: the current state's strategy, kept here for the step path (an attribute read,
       where ``strategy()`` is a call); None until a state exists. Set with the state (:meth:`use`),
@@ -106,7 +108,8 @@ class TrainingState:
     """
 
     __slots__ = ("accumulating", "accumulation_steps", "active_loaders", "backward_calls", "loaders", "micro_step",
-                 "models", "optimizers", "saving", "strategy", "sync_gradients", "torch_step", "warned")  # fmt: skip
+                 "models", "optimizers", "saving", "strategy", "sync_gradients", "torch_step", "warned",
+                 "whole_regions")  # fmt: skip
 
     def __init__(self) -> None:
         self.micro_step = 0
@@ -115,6 +118,7 @@ class TrainingState:
         self.accumulation_steps = 1
         self.accumulating = 0
         self.backward_calls = 0
+        self.whole_regions = 0
         self.warned: set[str] = set()
         self.strategy: Strategy | None = None
         self.torch_step = False

@@ -66,6 +66,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._pending:
             self._apply_pending()  # the learning rates of this step depend on them
         training = _state.training
+        if training.whole_regions > 1:  # micro-steps in a loop of ak.accumulate(model) without steps=
+            from ._step import warn_whole_regions
+
+            warn_whole_regions(training.whole_regions)
+        training.whole_regions = 0
         boundary = training.sync_gradients
         strategy = None if training.torch_step else _state.own_step()
         if strategy is None:  # torch's own step: nothing is skipped

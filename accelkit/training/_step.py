@@ -83,6 +83,23 @@ _SEVERAL_BACKWARDS = (
 )
 
 
+_WHOLE_REGIONS = (
+    "{regions} ak.accumulate(model) regions with steps left at 1 ran ak.backward before this optimizer step: "
+    "each region is a whole step, so the gradients were synchronised {regions} times and add up undivided "
+    "({regions}x those of one micro-step). For {regions} micro-steps per optimizer step, give the count: "
+    "`with ak.accumulate(model, steps={regions}):` (or ak.init(gradient_accumulation_steps={regions})). If "
+    "several losses per step are meant, say so with steps=1"
+)
+
+
+def warn_whole_regions(regions: int) -> None:
+    """The prepared optimizer steps after ``regions`` > 1 whole-step regions: micro-steps that missed ``steps=``."""
+    warned = _state.training.warned
+    if "whole regions" not in warned:
+        warned.add("whole regions")
+        warnings.warn(_WHOLE_REGIONS.format(regions=regions), UserWarning, stacklevel=3)  # the user's step()
+
+
 def _warn_once(key: str, message: str, **values: int) -> None:
     """``message`` filled with ``values``, as a UserWarning at the user's call, once per run per ``key``."""
     warned = _state.training.warned
@@ -178,6 +195,8 @@ class accumulate(contextlib.ContextDecorator):
             training.accumulating -= 1
         if steps == 1 and self.steps is None and kind is None:
             calls = training.backward_calls - self._backwards
+            if calls:
+                training.whole_regions += 1  # the prepared optimizer's step says so when several came before it
             if calls > 1:
                 _warn_once("several backwards", _SEVERAL_BACKWARDS, calls=calls)
 
