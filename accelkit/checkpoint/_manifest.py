@@ -93,7 +93,12 @@ def read(directory: Path, dir_fd: int | None = None) -> dict[str, Any]:
             data = f.read()
         raw = json.loads(data)
     except (FileNotFoundError, NotADirectoryError):
-        hint = "not a directory" if not directory.is_dir() else "has no manifest.json (not a committed checkpoint)"
+        if not directory.exists():
+            hint = "does not exist (never saved, or removed: keep_last prunes the oldest checkpoints beside a save)"
+        elif not directory.is_dir():
+            hint = "is not a directory"
+        else:
+            hint = "has no manifest.json (not a committed checkpoint)"
         raise CheckpointError(
             f"{directory} {hint}; pass a directory written by ak.save_state, e.g. ak.latest_checkpoint(root)"
         ) from None
