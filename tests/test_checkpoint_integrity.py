@@ -564,3 +564,23 @@ def test_loads_of_the_latest_while_keep_last_prunes_it_load_one_whole_save(tmp_p
     print(dict(outcomes))
     assert outcomes["loaded"] >= 3, outcomes
     assert outcomes["distinct steps loaded"] >= 2, f"no save pruned the checkpoint during the loads: {outcomes}"
+
+
+def ranks_read(which: str) -> str:
+    """Every rank's outcome of one load-state exchange where each rank read ``which`` checkpoint."""
+    from accelkit.checkpoint._agree import Agreement
+
+    read = f"saved at {ak.rank() if which == 'different' else 0} ns"
+    try:
+        return Agreement.here("accelkit.load_state('ckpt')").each_same("nothing was changed", lambda: read, str)
+    except ak.CheckpointError as exc:
+        return str(exc)
+
+
+@pytest.mark.distributed
+def test_ranks_that_read_different_checkpoints_all_refuse_to_apply_them(pool: WorkerPool) -> None:
+    """A save may replace the directory between two ranks' reads: no rank applies what the others did not read."""
+    assert pool.run(ranks_read, "same") == ["saved at 0 ns"] * 2
+    for message in pool.run(ranks_read, "different"):
+        assert "the ranks read different checkpoints (it was replaced while they read it)" in message
+        assert "rank 0: saved at 0 ns" in message and "rank 1: saved at 1 ns" in message
