@@ -274,6 +274,62 @@ def test_batch_samplers_are_sharded_by_whole_batches(pool: WorkerPool) -> None:
     assert (b0, b1) == ([[0, 1, 2], [4, 5], [10]], [[3], [6, 7, 8, 9]])
 
 
+def _plain_shuffled(seed: int, n: int, b: int, epochs: int = 3) -> tuple[list[list[list[int]]], torch.Tensor]:
+    """The epochs of a plain shuffled loader with a generator seeded ``seed``, and the generator's state after."""
+    g = torch.Generator().manual_seed(seed)
+    plain = DataLoader(range(n), batch_size=b, shuffle=True, generator=g)
+    return [[x.tolist() for x in plain] for _ in range(epochs)], g.get_state()
+
+
+def _reseeded_after_prepare(n: int, b: int) -> tuple[list[list[list[int]]], torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + ak.rank())  # any state at prepare time
+    loader = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=True, generator=g))
+    g.manual_seed(42 + ak.rank())  # rank 0's generator is the one every rank follows
+    return [[x.tolist() for x in loader] for _ in range(3)], g.get_state()
+
+
+def test_the_order_follows_the_users_generator_reseeded_after_prepare(pool: WorkerPool) -> None:
+    (e0, state0), (e1, state1) = pool.run(_reseeded_after_prepare, 12, 3)
+    expected, state = _plain_shuffled(42, 12, 6)
+    for epoch in range(3):
+        assert [x + y for x, y in zip(e0[epoch], e1[epoch], strict=True)] == expected[epoch], f"epoch {epoch}"
+    # Every rank's generator advanced as the plain loader's did (rank 1's took rank 0's state).
+    assert torch.equal(state0, state) and torch.equal(state1, state)
+
+
+def _resume_live(tmp: str, n: int, b: int, stop: int) -> dict[str, Any]:
+    """Two epochs of a loader re-seeded after prepare; the same interrupted by save_state after ``stop``
+    batches of epoch 0 and resumed by load_state in a loader whose generator has another seed."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    loader = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=True, generator=g))
+    g.manual_seed(42)
+    whole = [[x.tolist() for x in loader] for _ in range(2)]
+    whole_state = g.get_state()
+    ak.reset_state()
+    g = torch.Generator().manual_seed(1)
+    first = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=True, generator=g))
+    g.manual_seed(42)
+    for i, _ in enumerate(first):
+        if i + 1 == stop:
+            ak.save_state(tmp, step=i + 1)
+            break
+    ak.reset_state()
+    g = torch.Generator().manual_seed(99)
+    second = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=True, generator=g))
+    ak.load_state(tmp)
+    resumed = [[x.tolist() for x in second] for _ in range(2)]
+    return {"whole": whole, "resumed": resumed, "same_state": torch.equal(g.get_state(), whole_state)}
+
+
+def test_a_followed_generator_resumes_mid_epoch_exactly(pool: WorkerPool, tmp_path: Any) -> None:
+    for out in pool.run(_resume_live, str(tmp_path / "ckpt"), 21, 2, 2):
+        whole = out["whole"]
+        assert whole[0] != whole[1]
+        assert out["resumed"] == [whole[0][2:], whole[1]]
+        assert out["same_state"], "the resumed generator ends where the uninterrupted one did"
+
+
 # --- one process --------------------------------------------------------------------------
 
 
@@ -352,6 +408,23 @@ def test_a_user_generator_seeds_the_order() -> None:
 
     assert order(1) == order(1) != order(2)
     assert sorted(order(1)) == list(range(10))
+
+
+@pytest.mark.parametrize("on_sampler", [False, True], ids=["loader-generator", "sampler-generator"])
+def test_a_reseed_after_prepare_counts_from_the_next_epoch(on_sampler: bool) -> None:
+    def make(g: torch.Generator) -> DataLoader[Any]:
+        if on_sampler:
+            return DataLoader(range(10), batch_size=3, sampler=torch.utils.data.RandomSampler(range(10), generator=g))
+        return DataLoader(range(10), batch_size=3, shuffle=True, generator=g)
+
+    g, plain_g = torch.Generator().manual_seed(1), torch.Generator()
+    loader, plain = prepare_dataloader(make(g)), make(plain_g)
+    for seed in (42, None, 7, None):  # re-seeded before the first and third epochs, as the plain loader's
+        if seed is not None:
+            g.manual_seed(seed)
+            plain_g.manual_seed(seed)
+        assert [x.tolist() for x in loader] == [x.tolist() for x in plain]
+        assert torch.equal(g.get_state(), plain_g.get_state())  # advanced as the plain loader advances it
 
 
 def test_active_loader_entries_come_and_go() -> None:

@@ -50,9 +50,11 @@ def prepare_dataloader(
     steps per epoch are those of one process.
 
     The order: the sampler's (``shuffle=True``'s ``RandomSampler``, a ``WeightedRandomSampler``,
-    a custom sampler). When the loader (or its sampler) has a ``generator``, the order continues
-    from rank 0's generator epoch after epoch exactly as the plain loader's would (one process
-    sees the same batches as the unprepared loader); without one, it is reseeded every epoch
+    a custom sampler). When the loader (or its sampler) has a ``generator``, the order is drawn from
+    that generator, read when each epoch's iteration starts and advanced as the plain loader would
+    (one process sees the same batches as the unprepared loader, and ``g.manual_seed(...)`` after
+    prepare counts). Rank 0's state is broadcast into every rank's generator at that start, so
+    every rank must start each epoch; without one, it is reseeded every epoch
     from one seed drawn at prepare time (after ``ak.set_seed``), or from ``data_seed`` when given
     (the same order in every run, whatever the other seeds). ``set_epoch(epoch)`` is called on
     samplers and datasets that have one. A custom sampler without a ``generator`` attribute must yield the same order on
@@ -103,21 +105,25 @@ def _prepare_map(
             "sharded whole between the processes; drop split_batches, or give the DataLoader a batch_size"
         )
     size = _split(size, st, split_batches)
-    order_gen = torch.Generator()
-    base, owned, used = _with_generator(base, batches, order_gen)
+    used = _sampler_generator(base, batches)
+    follow = isinstance(used, torch.Generator) and data_seed is None
+    order_gen: torch.Generator | None = None
+    if follow:  # the sampler keeps drawing from the user's generator, read live at each epoch's start
+        order_gen = used
+    elif used is not _MISSING:  # torch's samplers have one (None: they draw a seed from the global RNG)
+        order_gen = torch.Generator()
+        base = _with_generator(base, batches, order_gen)
     layout = Layout(st.rank, st.world_size, size, even=even_batches and st.world_size > 1, drop_last=drop)
     unbatched = loader.batch_sampler is None
     shard = ShardedBatchSampler(base, layout, batches=batches, unbatched=unbatched)
     ragged = batches or not (layout.even or drop)
-    follow = isinstance(used, torch.Generator) and data_seed is None
-    plan = _plan(st, loader, shard, order_gen if owned else None, base, ragged=ragged, lookahead=False)
+    plan = _plan(st, loader, shard, order_gen, base, ragged=ragged, lookahead=False)
     if follow:
-        state = _shared_state(used, st)  # every rank continues rank 0's generator
-        order_gen.set_state(state)
         plan = plan._replace(follow=True, draws_seed=loader.generator is used)
-        seed = _base_seed(torch.Generator().set_state(state), st)
+        seed = _base_seed(torch.Generator().set_state(used.get_state()), st)  # a copy: the user's does not move
     else:
-        seed = data_seed if data_seed is not None else _base_seed(used or loader.generator, st)
+        drawn_from = used if isinstance(used, torch.Generator) else loader.generator
+        seed = data_seed if data_seed is not None else _base_seed(drawn_from, st)
     options = _loader_options(loader)
     if unbatched:
         return PreparedDataLoader(loader.dataset, plan, seed, sampler=shard, batch_size=None, **options)
@@ -248,8 +254,8 @@ def _base_order(loader: DataLoader[Any]) -> tuple[Any, int, bool, bool]:
     return batch_sampler, 1, False, True
 
 
-def _with_generator(base: Any, batches: bool, generator: torch.Generator) -> tuple[Any, bool, Any]:
-    """``base``, copied to draw from ``generator`` if it draws from one; whether it does; the one it used."""
+def _sampler_generator(base: Any, batches: bool) -> Any:
+    """The generator the sampler draws its order from (None: a seed from the global RNG); _MISSING: it has none."""
     sampler: Any = getattr(base, "sampler", None) if batches else base
     if isinstance(sampler, DistributedSampler):
         raise ValueError(
@@ -257,15 +263,18 @@ def _with_generator(base: Any, batches: bool, generator: torch.Generator) -> tup
             "second time; build the DataLoader with shuffle=True (or a plain sampler) and let ak.prepare shard it"
         )
     used = getattr(sampler, "generator", _MISSING)
-    if not (used is None or isinstance(used, torch.Generator)):  # torch's samplers have one
-        return base, False, None
-    sampler = copy.copy(sampler)
+    return used if used is None or isinstance(used, torch.Generator) else _MISSING
+
+
+def _with_generator(base: Any, batches: bool, generator: torch.Generator) -> Any:
+    """``base``, copied to draw from ``generator`` (its sampler has a ``generator`` attribute)."""
+    sampler: Any = copy.copy(base.sampler if batches else base)
     sampler.generator = generator
     if not batches:
-        return sampler, True, used
+        return sampler
     base = copy.copy(base)
     base.sampler = sampler
-    return base, True, used
+    return base
 
 
 def _split(size: int, st: ProcessState, split_batches: bool) -> int:
@@ -278,14 +287,6 @@ def _split(size: int, st: ProcessState, split_batches: bool) -> int:
             f"{st.world_size} processes; use a multiple of {st.world_size}, or split_batches=False"
         )
     return size // st.world_size
-
-
-def _shared_state(generator: torch.Generator, st: ProcessState) -> torch.Tensor:
-    """``generator``'s state, rank 0's on every rank."""
-    state = generator.get_state()
-    if st.distributed:
-        state = collectives.broadcast(state.to(st.device)).cpu()
-    return state
 
 
 def _base_seed(generator: torch.Generator | None, st: ProcessState) -> int:
@@ -311,6 +312,7 @@ def _plan(
         order_generator=order_generator,
         epoch_target=epoch_target if callable(getattr(epoch_target, "set_epoch", None)) else None,
         rank=st.rank,
+        broadcast_device=st.device if st.distributed else None,
         transfer=st.hardware.batch_transfer(st.device) if st.hardware is not None else None,
         ragged=st.world_size > 1 and ragged,
         lookahead=lookahead,

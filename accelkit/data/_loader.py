@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from .. import _state
+from .. import _state, collectives
 from .._backends import BatchTransfer
 from ._sampling import EpochRecord, ShardedBatchSampler, ShardedIterable
 
@@ -57,12 +57,13 @@ class LoaderPlan(NamedTuple):
     order_generator: torch.Generator | None  # draws the epoch's order: the same on every rank
     epoch_target: Any  # the user's sampler or dataset with set_epoch(), or None
     rank: int
+    broadcast_device: torch.device | None  # where rank 0's generator state is broadcast; None: one process
     transfer: BatchTransfer | None  # moves batches to the device; None: they are there already (CPU)
     ragged: bool
     lookahead: bool  # iterable dataset in DataLoader workers: find the last batch by reading ahead
-    # The order generator continues from the user's generator, epoch after epoch, as a plain
-    # DataLoader's would (instead of a reseed per epoch); draws_seed: the plain loader also draws
-    # its workers' base seed from that generator at the start of each epoch.
+    # The order generator is the user's own, read when each epoch starts as a plain DataLoader
+    # reads it (instead of a reseed per epoch); draws_seed: the plain loader also draws its
+    # workers' base seed from that generator at the start of each epoch.
     follow: bool = False
     draws_seed: bool = False
 
@@ -133,10 +134,14 @@ class PreparedDataLoader(DataLoader[Any]):
         if not plan.follow:
             gen.manual_seed(seed % 2**64)
             return
-        if self._pending_order is not None:  # resuming: the epoch restarts from its saved state
-            gen.set_state(self._pending_order)
-            self._pending_order = None
-        self._epoch_order = gen.get_state()
+        # The user's generator as it is now (a reseed after prepare counts, as for the plain loader), or
+        # the state a resumed epoch began from; rank 0's on every rank, so that all cut the same order.
+        state = self._pending_order if self._pending_order is not None else gen.get_state()
+        self._pending_order = None
+        if plan.broadcast_device is not None:
+            state = collectives.broadcast(state.to(plan.broadcast_device)).cpu()
+        gen.set_state(state)
+        self._epoch_order = state
         if plan.draws_seed:  # what a plain DataLoader draws first each epoch, from the same generator
             torch.empty((), dtype=torch.int64).random_(generator=gen)
 
