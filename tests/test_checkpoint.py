@@ -495,7 +495,7 @@ def test_a_two_process_checkpoint_needs_two_processes(pool: WorkerPool, tmp_path
     pool.run(train, str(tmp_path), 2, save_every=2)
     model, *_ = make_run()
     with pytest.raises(CheckpointError, match=r"saved by 2 processes, this job has 1.*strict=False"):
-        ak.load_state(tmp_path / "step-2", model=model)
+        ak.load_state(tmp_path / "step-2", strict=True, model=model)
     rng = torch.get_rng_state()
     with pytest.warns(UserWarning) as caught:
         assert ak.load_state(tmp_path / "step-2", strict=False, model=model)["step"] == 2

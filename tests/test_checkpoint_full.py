@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 from test_checkpoint_sharded import assert_equal, full_state, plain_model, shard_by_hand, sharded_model, train_step
 from torch import nn
+from torch.utils.data import DataLoader
 
 import accelkit as ak
-from accelkit.checkpoint import _manifest
+from accelkit.checkpoint import CheckpointError, _manifest
 from accelkit.testing import WorkerPool
 
 # --- FSDP (2 processes) -> one process -> FSDP ------------------------------------------------
@@ -56,6 +58,60 @@ def test_a_full_state_of_fsdp_loads_on_one_process_and_back(pool: WorkerPool, tm
     for step, state in pool.run(load_full, str(tmp_path)):
         assert step == 3
         assert_equal(state, here)
+
+
+def load_full_by_default(root: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Load the one-process checkpoint ``ROOT/single`` on two processes without ``strict``: the warnings, the state."""
+    model, opt = sharded_model(seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ak.load_state(f"{root}/single", model=model, optimizer=opt)["step"] == 1
+    return [str(w.message) for w in caught], full_state(model, opt)
+
+
+def test_a_full_state_of_fsdp_loads_for_evaluation_on_another_world_size(pool: WorkerPool, tmp_path: Path) -> None:
+    """The default loads every object of another world size and skips the per-rank state, said once."""
+    saved = pool.run(save_full, str(tmp_path))[0]
+    ckpt = tmp_path / "full"
+    loader = ak.prepare(DataLoader(range(8), batch_size=2))  # this job's loader keeps its own position
+    next(iter(loader))
+    position = loader.state_dict()
+
+    model, opt = plain_run(seed=7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes, this job has 1, and strict=True asks for"):
+        ak.load_state(ckpt, strict=True, model=model)  # a resume that needs the per-rank state: refused
+    assert_equal(model.state_dict(), before)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ak.load_state(ckpt, model=model) == {"step": 2}  # evaluation: the model alone
+    messages = [str(w.message) for w in caught]
+    skipped = [m for m in messages if "per-rank state" in m]
+    assert len(skipped) == 1 and caught[messages.index(skipped[0])].filename == __file__, messages
+    assert "saved by 2 processes, this job has 1" in skipped[0]
+    assert "rank-0.json to rank-1.json: RNG states, grad scaler, dataloader positions" in skipped[0]
+    assert any("also holds optimizer, which this call does not restore" in m for m in messages), messages
+    assert_equal(model.state_dict(), {k: saved[k] for k in before})
+    assert torch.equal(torch.get_rng_state(), rng) and loader.state_dict() == position, "per-rank state skipped"
+
+    model, opt = plain_run(seed=8)  # the optimizer too, and the same call on two processes: one warning, rank 0's
+    with pytest.warns(UserWarning, match="per-rank state"):
+        assert ak.load_state(ckpt, model=model, optimizer=opt) == {"step": 2}
+    assert_equal(full_state(model, opt), saved)
+    train_step(model, opt, 2)
+    ak.save_state(tmp_path / "single", full_state=True, model=model, optimizer=opt, step=1)
+    here = full_state(model, opt)
+    (warned, state_0), (quiet, state_1) = pool.run(load_full_by_default, str(tmp_path))
+    assert [m for m in warned if "per-rank state" in m] and "saved by 1 processes, this job has 2" in warned[0]
+    assert "(rank-0.json: RNG states" in warned[0] and quiet == [], "said once, on the main process"
+    assert_equal(state_0, here)
+    assert_equal(state_1, here)
+
+    with pytest.warns(UserWarning, match=r"strict=False\): rank 0 skipped .*rank-0\.json"):  # as before
+        ak.load_state(ckpt, strict=False, model=model, optimizer=opt)
+    del loader
 
 
 def test_full_state_in_one_process_needs_the_model_beside_the_optimizer(tmp_path: Path) -> None:
@@ -153,3 +209,40 @@ def test_full_state_dict_without_sharding_is_the_unwrapped_state_dict() -> None:
     assert state["lm_head.weight"][0, 0] == 123.0, "tied weights share their storage, as in state_dict()"
     with pytest.raises(TypeError, match=r"full_state_dict\(model=dict\): expected a torch.nn.Module"):
         ak.full_state_dict({})  # type: ignore[arg-type]
+
+
+# --- ak.save_model of a sharded model with tied weights ---------------------------------------
+
+
+def export_tiny_lm(out: str) -> dict[str, torch.Tensor]:
+    """FSDP, one step, then ak.save_model; the full weights by hand (every rank)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_by_hand(model.block, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ak.backward(model(torch.arange(8).reshape(2, 4) + ak.rank()).logsumexp(-1).mean())
+    opt.step()
+    assert ak.save_model(model, out).name == "model.safetensors"
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def test_save_model_of_an_fsdp_model_with_tied_weights(pool: WorkerPool, tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model, save_model
+
+    by_hand, _ = pool.run(export_tiny_lm, str(tmp_path / "fsdp"))
+    path = tmp_path / "fsdp" / "model.safetensors"
+    weights = load_file(path)
+    assert sorted(weights) == ["block.bias", "block.weight", "embed.weight"], "the tied lm_head is written once"
+    assert_equal(weights, {k: v for k, v in by_hand.items() if k != "lm_head.weight"})
+    fresh = TinyLM()
+    load_model(fresh, path)  # as transformers loads it: the tie made again
+    assert fresh.lm_head.weight is fresh.embed.weight
+    assert_equal(dict(fresh.named_parameters(remove_duplicate=False)), by_hand)
+
+    plain = TinyLM()  # the file an unsharded model writes (save_model of DDP or one process): the same
+    plain.load_state_dict({k: v for k, v in by_hand.items() if k != "lm_head.weight"}, strict=False)
+    save_model(plain, str(tmp_path / "plain.safetensors"))
+    with safe_open(path, "pt") as ours, safe_open(tmp_path / "plain.safetensors", "pt") as theirs:
+        assert ours.metadata() == theirs.metadata() == {"lm_head.weight": "embed.weight"}
+    assert_equal(load_file(tmp_path / "plain.safetensors"), weights)

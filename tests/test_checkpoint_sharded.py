@@ -123,7 +123,7 @@ def test_a_two_process_sharded_checkpoint_loads_on_one_process(pool: WorkerPool,
     model = plain_model(seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     with pytest.raises(CheckpointError, match=r"saved by 2 processes, this job has 1.*strict=False"):
-        ak.load_state(tmp_path / "ckpt", model=model, optimizer=opt)
+        ak.load_state(tmp_path / "ckpt", strict=True, model=model, optimizer=opt)
     assert ak.load_state(tmp_path / "ckpt", strict=False, model=model, optimizer=opt) == {"step": 3}
     assert_equal(full_state(model, opt), saved)
 

@@ -48,9 +48,31 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_seri
         _safe_io.write_atomic(target, lambda f: torch.save(state, f))
     elif full is None:
         _safe_io.write_atomic(target, lambda f: safetensors_torch.save_model(module, f.name))  # shared weights once
-    else:
-        _safe_io.write_atomic(target, safetensors_torch.save(full))
+    else:  # gathered: tied weights are one tensor under several names, which safetensors refuses
+        tensors, metadata = _once(full)
+        _safe_io.write_atomic(target, safetensors_torch.save(tensors, metadata=metadata))
     return target
+
+
+def _once(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """``state`` with each tied tensor under one name, as ``safetensors.torch.save_model`` writes a module.
+
+    Of the names of one tensor the first in sorted order is kept, and the metadata maps each
+    name left out to it (as save_model's does): the file is the one an unsharded model writes, and
+    ``safetensors.torch.load_model`` (or transformers, which ties the weights again) reads it.
+    """
+    names: dict[tuple[Any, ...], list[str]] = {}
+    for name, tensor in state.items():
+        # The same view of the same memory (tied); empty tensors have no memory to share. Views that only
+        # overlap stay apart: safetensors refuses them, as it would a module's.
+        same = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        names.setdefault(same if tensor.numel() else (id(tensor),), []).append(name)
+    tensors, left_out = {}, {}
+    for group in names.values():
+        kept, *others = sorted(group)
+        tensors[kept] = state[kept].contiguous()
+        left_out.update(dict.fromkeys(others, kept))
+    return {name: tensors[name] for name in state if name in tensors}, left_out or None
 
 
 def _safetensors(wanted: bool | None) -> Any:

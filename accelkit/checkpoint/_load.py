@@ -41,7 +41,9 @@ class Loaded(NamedTuple):
     metadata: dict[str, Any]  # name -> DCP's metadata of a sharded object, read once
 
 
-def survey(path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> tuple[Snapshot, list[str]]:
+def survey(
+    path: Path, objects: dict[str, Any], st: _state.ProcessState, strict: bool | None
+) -> tuple[Snapshot, list[str]]:
     """The checkpoint, open, its manifest checked against ``objects`` and this job; and the files this rank verifies.
 
     The caller closes the snapshot.
@@ -60,16 +62,17 @@ def survey(path: Path, objects: dict[str, Any], st: _state.ProcessState, strict:
 
 
 def _expected(
-    path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.ProcessState, strict: bool
+    path: Path, body: dict[str, Any], objects: dict[str, Any], st: _state.ProcessState, strict: bool | None
 ) -> list[str]:
     _warn_versions(path, body, st)
     missing = sorted(set(objects) - set(body.get("objects", [])))
     if missing:
         raise CheckpointError(f"{path} has no {missing}; it holds {body.get('objects')}, pass those names")
-    if body.get("world_size") != st.world_size and strict:
+    if body.get("world_size") != st.world_size and strict is True:  # asked for: a resume that needs every rank's
         raise CheckpointError(
-            f"{path} was saved by {body.get('world_size')} processes, this job has {st.world_size}; resume with "
-            f"the same number, or pass strict=False to skip the per-rank RNG and dataloader state"
+            f"{path} was saved by {body.get('world_size')} processes, this job has {st.world_size}, and strict=True "
+            f"asks for the per-rank RNG and dataloader state, which fits only {body.get('world_size')} processes; "
+            f"resume with the same number, or leave strict out (or pass strict=False) to load the objects without it"
         )
     sharded = body["sharded"]
     expected = [f"{name}{_sharded.SUFFIX}/.metadata" if name in sharded else f"{name}.pt" for name in body["objects"]]
@@ -174,7 +177,7 @@ class Verification:
             raise
 
 
-def read(snapshot: Snapshot, objects: dict[str, Any], st: _state.ProcessState, strict: bool) -> Loaded:
+def read(snapshot: Snapshot, objects: dict[str, Any], st: _state.ProcessState, strict: bool | None) -> Loaded:
     """Deserialize what this rank needs (plain files mapped, DCP metadata checked, values, rank state)."""
     path, body = snapshot.path, snapshot.body
     files: dict[str, _safe_io.FileRecord] = body["files"]
@@ -220,25 +223,38 @@ def _load_file(snapshot: Snapshot, name: str) -> Any:
     return found
 
 
-def _mine(snapshot: Snapshot, st: _state.ProcessState, strict: bool, rank_file: str) -> _rank_state.RankState | None:
+def _mine(
+    snapshot: Snapshot, st: _state.ProcessState, strict: bool | None, rank_file: str
+) -> _rank_state.RankState | None:
+    """This rank's state to restore, or None when it is skipped (said in a warning).
+
+    ``strict``: True refuses what does not fit; False skips it, each rank saying what it skipped;
+    None (the default) skips the per-rank state of another world size, which cannot fit (one
+    warning, on the main process: evaluation or fine-tuning on another number of processes),
+    and refuses the rest, which a resume on the same world size needs.
+    """
     path, body = snapshot.path, snapshot.body
     what = "its RNG states, grad scaler and dataloader positions were not restored"
-    if rank_file not in body["files"] or body["world_size"] != st.world_size:  # else strict=False: not our ranks
+    if rank_file not in body["files"] or body["world_size"] != st.world_size:  # not our ranks (strict is not True)
         saved = f"saved by {body['world_size']} processes, this job has {st.world_size}"
-        _skipped(path, st, f"{path / rank_file} ({saved}): {what}")
+        if strict is None:  # (the same world size without the file: the verification names it, before any change)
+            if body["world_size"] != st.world_size:
+                _skipped_ranks(path, body, st)
+        else:
+            _skipped(path, st, f"{path / rank_file} ({saved}): {what}")
         return None
     try:
         mine = _rank_state.decode(json.loads(snapshot.read_bytes(rank_file)), st.rank)
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path / rank_file} is malformed: {exc}") from None
     problem = _rank_state.check_fits(mine)
-    if problem and strict:
+    if problem and strict is not False:
         raise CheckpointError(f"{path / rank_file} does not fit this run: {problem}")
     if problem:
         _skipped(path, st, f"{path / rank_file} ({problem}): {what}")
         return None
     if mine.numpy is not None and _rank_state.numpy_missing():
-        if strict:
+        if strict is not False:
             raise CheckpointError(
                 f"{path / rank_file} holds NumPy's random state, but numpy cannot be imported here, so it "
                 f"cannot be restored: pip install numpy, or pass strict=False to load everything else"
@@ -246,6 +262,24 @@ def _mine(snapshot: Snapshot, st: _state.ProcessState, strict: bool, rank_file: 
         _skipped(path, st, f"NumPy's random state in {path / rank_file} (numpy cannot be imported here)")
         mine = mine._replace(numpy=None)
     return mine
+
+
+def _skipped_ranks(path: Path, body: dict[str, Any], st: _state.ProcessState) -> None:
+    """The default (strict=None) on another world size: objects load, each rank's own state is skipped; said once."""
+    if not st.is_main_process:
+        return
+    saved = body["world_size"]
+    files = "rank-0.json" if saved == 1 else f"rank-0.json to rank-{saved - 1}.json"
+    frame = _frames.user_frame()
+    warnings.warn_explicit(
+        f"accelkit.load_state({os.fspath(path)!r}): saved by {saved} processes, this job has {st.world_size}: "
+        f"the objects are restored, but not the per-rank state ({files}: RNG states, grad scaler, dataloader "
+        f"positions), which fits only {saved} processes. Enough to evaluate or fine-tune; to resume training "
+        f"exactly, run {saved} processes (strict=True refuses such a load instead of skipping)",
+        UserWarning,
+        frame.f_code.co_filename if frame else "<unknown>",
+        frame.f_lineno if frame else 0,
+    )
 
 
 def _skipped(path: Path, st: _state.ProcessState, what: str) -> None:

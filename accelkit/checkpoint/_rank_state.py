@@ -13,7 +13,7 @@ import torch
 
 from .. import _state
 
-__all__ = ["RankState", "apply", "capture", "decode", "live_loaders", "numpy_missing"]
+__all__ = ["RankState", "apply", "capture", "decode", "live_loaders", "numpy_missing", "pending_window"]
 
 
 def live_loaders() -> list[Any]:
@@ -21,6 +21,28 @@ def live_loaders() -> list[Any]:
     training = _state.training
     alive = [loader for loader in (ref() for ref in training.loaders) if loader is not None]
     return alive
+
+
+def pending_window() -> str | None:
+    """Where this rank is inside an ``ak.accumulate`` window with gradients pending, or None when it may save.
+
+    A checkpoint holds neither the accumulated gradients nor the window's position (a resumed run
+    counts its micro-steps from 0), so only a save between windows resumes exactly: after the
+    optimizer step of a window's last micro-step, or before any ``ak.backward``. Local: each rank
+    knows its own window, the same on every rank of a correct loop, so all refuse alike, before
+    any collective.
+    """
+    training = _state.training
+    if training.sync_gradients or not training.backward_calls:
+        return None
+    if training.accumulating:  # inside the region: its steps are known
+        steps = training.accumulation_steps
+        return f"micro-step {training.micro_step % steps} of {steps} of an ak.accumulate(steps={steps}) window"
+    # After the region its steps are gone (each region is an object of its own): say what the count says.
+    return (
+        f"an unfinished ak.accumulate window (ak.sync_gradients() is False: the last region, micro-step "
+        f"{training.micro_step} counted since the start or the last epoch's end, did not close it)"
+    )
 
 
 def _device_module(device: torch.device) -> Any:

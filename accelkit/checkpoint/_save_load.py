@@ -71,6 +71,11 @@ def save_state(
     (``NAME.pt`` on the main process) that loads on any number of processes and strategies;
     optimizers then need their model passed too.
 
+    Inside an ``ak.accumulate`` window with gradients pending (``ak.sync_gradients()`` False
+    after an ``ak.backward``) it raises :class:`CheckpointError` on every rank and writes
+    nothing: the checkpoint would hold neither those gradients nor the window's position, and
+    the resumed run would differ. Save between windows: ``if ak.sync_gradients(): ak.save_state(...)``.
+
     Example:
         >>> import accelkit as ak, torch
         >>> model = torch.nn.Linear(2, 1)
@@ -88,6 +93,15 @@ def save_state(
     for name, flag in (("blocking", blocking), ("full_state", full_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"{call}: {name}={flag!r}; expected True or False")
+    from . import _rank_state
+
+    window = _rank_state.pending_window()  # every rank alike (the same window), before any collective or file
+    if window is not None:
+        raise CheckpointError(
+            f"{call}: {window} has pending gradients, which a checkpoint does not hold (nor the window's position), "
+            f"so a run resumed from it would end with other weights; save when ak.sync_gradients() is True (after "
+            f"the optimizer step), e.g. `if ak.sync_gradients(): ak.save_state(...)`"
+        )
     finish_saving(call)
     _meet("save_state")
     from . import _objects, _save
@@ -117,18 +131,29 @@ def wait_for_checkpoint() -> None:
     finish_saving("accelkit.wait_for_checkpoint()")
 
 
-def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **objects: Any) -> dict[str, Any]:
+def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None, **objects: Any) -> dict[str, Any]:
     """Restore ``objects`` and the RNG/scaler/dataloader state from ``directory``; return the plain values.
 
     Every rank must call it, after ``ak.prepare`` (prepared dataloaders get back their
     positions, in the order they were prepared). Every file is checked against the
-    manifest (size, checksum) and deserialized first, without executing code from it
-    (``torch.load(weights_only=True)``, JSON, a restricted unpickler for DCP's metadata);
-    only then is anything changed. A damaged or missing file raises :class:`CheckpointError`
-    naming it on every rank. Sharded objects load on any number of processes, sharded or
+    manifest (its size, the XXH3-128 of each 64 MiB piece) and deserialized first, without
+    executing code from it (``torch.load(weights_only=True)``, JSON, a restricted unpickler for
+    DCP's metadata); only then is anything changed. The files are opened once and only those are
+    read: a save or prune into the same directory meanwhile gives the old checkpoint or the new
+    one whole, or an error saying it was replaced or removed. A damaged or missing file raises
+    :class:`CheckpointError` naming it (and the piece) on every rank, and another checkpoint
+    beside it that verifies. Sharded objects load on any number of processes, sharded or
     not (pass an optimizer with its model), and so do modules and full states
-    (``full_state=True``). ``strict=False`` skips this rank's RNG/dataloader state when it
-    does not fit (a different world size) instead of raising. A save in flight is waited for.
+    (``full_state=True``). A save in flight is waited for.
+
+    The per-rank state (RNG states, grad scaler, dataloader positions) fits only the world size
+    that saved it. By default (``strict=None``) a checkpoint of another world size loads every
+    object and skips that state, saying so once in a warning on the main process (to evaluate
+    or fine-tune a 2-process FSDP run's ``full_state=True`` checkpoint in one process); on the
+    same world size, per-rank state that does not fit (other dataloaders, no fp16 scaler, another
+    device) raises. ``strict=True`` also refuses another world size: a resume that needs the
+    per-rank state. ``strict=False`` skips whatever per-rank state does not fit, each rank
+    warning about its own.
 
     Example:
         >>> import accelkit as ak, torch
@@ -137,6 +162,8 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool = True, **obje
         {'step': 10}
     """
     call = f"accelkit.load_state({os.fspath(directory)!r})"
+    if strict not in (None, True, False):
+        raise TypeError(f"{call}: strict={strict!r}; expected None (the default), True or False")
     for name, obj in objects.items():
         if not callable(getattr(obj, "load_state_dict", None)):
             raise TypeError(
@@ -201,7 +228,7 @@ def _apply(call: str, path: Path, objects: dict[str, Any], agree: Agreement, rea
         warnings.warn(
             f"{call}: the checkpoint also holds {', '.join(left)}, which this call does not restore; pass "
             f"{', '.join(f'{n}={n}' for n in left)} to restore it too",
-            stacklevel=4,
+            stacklevel=3,  # the user's load_state call
         )
 
     def read_shards() -> None:  # every rank its own shards, in place; one exchange after all of them
