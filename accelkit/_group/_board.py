@@ -14,8 +14,8 @@ import json
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["Position", "describe_missing", "find_conflict", "post_report", "publish", "read_positions",
-           "read_reports"]  # fmt: skip
+__all__ = ["Position", "describe_missing", "find_conflict", "find_deadlock", "post_report", "publish",
+           "read_positions", "read_reports"]  # fmt: skip
 
 
 class Position(NamedTuple):
@@ -37,6 +37,7 @@ class Position(NamedTuple):
     signature: str = ""  # inside: what two ranks in the same call share (operation, arguments, shapes)
     call: str = ""  # inside: the call as debug mode's tables show it
     doing: str = ""  # a step that waits for the other ranks outside the collectives (a synchronising backward)
+    idle_since: float = 0.0  # wall-clock time since which the process has used (almost) no CPU; 0: busy
 
     @property
     def label(self) -> str:
@@ -114,6 +115,43 @@ def find_conflict(rank: int, seq: int, signature: str, positions: dict[int, Posi
         p = positions[r]
         lines.append(f"  - Process {r}: {p.call if r in same else p.describe(now)}")
     lines.append("Fix: Every process must call the same collectives in the same order, with the same arguments.")
+    return "\n".join(lines)
+
+
+def find_deadlock(
+    rank: int, seq: int, signature: str, positions: dict[int, Position], world: int, settled: float
+) -> str:
+    """A table when no rank can make progress, else "": this rank has waited in call ``#seq`` for ``settled``
+    seconds, and every rank not waiting in that call with it has been idle as long, waiting in another
+    collective or in a pass that waits for every rank (DDP's forward, a synchronising backward).
+
+    Idle, not just there: a rank that computes a long forward is busy, and will come (a rank's idleness is
+    its process' CPU time, read by its own heartbeat). A collective reached by some ranks only, the others
+    gone on to their next step or collective, is such a wait.
+    """
+    now = time.time()
+    mine = positions.get(rank)
+    if mine is None or not mine.inside or len(positions) < world or now - mine.since < settled:
+        return ""
+    with_me = {r for r, p in positions.items() if p.inside and p.seq == seq and p.signature == signature}
+    for r, p in positions.items():
+        waiting = p.inside or bool(p.doing)
+        if r not in with_me and not (waiting and p.idle_since and now - p.idle_since >= settled):
+            return ""
+    if len(with_me) == len(positions):
+        return ""
+    lines = [
+        f"Cannot complete accelkit.{mine.op} #{seq}: no process can make progress, the others wait elsewhere "
+        f"(a collective that only some processes reach)."
+    ]
+    for r in sorted(positions):
+        p = positions[r]
+        lines.append(f"  - Process {r}: {p.call if r in with_me else p.describe(now)}")
+    lines.append(
+        "Fix: every process must call the same collectives in the same order: a collective under "
+        "`if ak.is_main_process():` (or another test of the rank) is reached by that process alone; call it on "
+        "every process (each can use the result, or not)."
+    )
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ that a wait the timeout ends still says, first, whom it waited for.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from .. import _env, _frames
-from ._board import Position, describe_missing, find_conflict, publish, read_positions
+from ._board import Position, describe_missing, find_conflict, find_deadlock, post_report, publish, read_positions
 from ._meet import SYNCING
 
 __all__ = ["PASSES_THAT_WAIT", "Heartbeat", "first_line_after", "heartbeat_period", "wait_log_interval"]
@@ -32,6 +33,12 @@ _TORCH = f"{os.sep}torch{os.sep}"  # the user's line is the one below torch's ow
 # The positions the heartbeats of a whole job may write to its store each second: beyond 256 ranks
 # each one publishes less often (1024 ranks: every 4 s), so the store's load stays bounded.
 STORE_WRITES_PER_S = 256.0
+# A rank whose process used less than this share of one core since its last beat is idle (waiting).
+IDLE_SHARE = 0.1
+# Seconds every rank must have waited, idle, before a wait no rank can end fails the job (seen on two reads,
+# the second CONFIRM seconds after the first).
+SETTLED = 8.0
+CONFIRM = 4.0
 
 
 def heartbeat_period(world: int, interval: float) -> float:
@@ -81,6 +88,8 @@ class Heartbeat(threading.Thread):
         self._reported = 0  # "still waiting" lines printed for the current wait
         self._next_read = 0.0  # seconds into the current wait when the positions are read next
         self._conflict = ""  # the last table of ranks waiting in different calls, printed once
+        self._stuck: tuple[Any, ...] = ()  # the positions of the last read that found no rank could go on
+        self._cpu, self._cpu_at, self._idle_since = time.process_time(), time.monotonic(), 0.0
 
     def start(self) -> None:
         self.beat()  # the rank's key exists before anyone can read it
@@ -107,12 +116,13 @@ class Heartbeat(threading.Thread):
         signature = f"{now.fingerprint:016x}" if inside else ""
         where, in_pass = self._where(now.thread or threading.main_thread().ident or 0)
         doing = now.doing or (SYNCING if in_pass else "")
-        state = (op, seq, inside, where, signature, doing)
         wall, mono = time.time(), time.monotonic()
+        self._watch_cpu(wall, mono, waiting=inside or (bool(doing) and not _uses_cuda()))
+        state = (op, seq, inside, where, signature, doing, bool(self._idle_since))
         if state != self._last:
             since = wall - (mono - now.since) if now.since else wall
             publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, wall, signature,
-                                                      now.text if inside else "", doing))  # fmt: skip
+                                                      now.text if inside else "", doing, self._idle_since))  # fmt: skip
             self._last = state
             self._reported = 0
             self._next_read = 2 * self.period
@@ -129,9 +139,49 @@ class Heartbeat(threading.Thread):
             self._conflict = conflict
             print("\n".join(f"accelkit: rank {self.rank}: {line}" for line in conflict.splitlines()),
                   file=sys.stderr, flush=True)  # fmt: skip
+        stuck = find_deadlock(self.rank, seq, signature, positions, self.world, SETTLED)
+        seen = tuple(sorted(positions.items())) if stuck else ()
+        if stuck and seen == self._stuck:  # two reads apart, nothing moved: no wait of any rank can end
+            self._give_up(stuck, where)
+        if stuck:
+            self._next_read = min(self._next_read, waited + CONFIRM)
+        self._stuck = seen
         if line_due:
             self._reported += 1
             self._say_waiting(op, seq, waited, positions)
+
+    def _watch_cpu(self, wall: float, mono: float, waiting: bool) -> None:
+        """Whether this process is idle: it used almost no CPU since the last beat, while it waits.
+
+        A pass that waits counts only without CUDA: a GPU's host thread idles while the device computes.
+        """
+        cpu = time.process_time()
+        busy = not waiting or cpu - self._cpu > IDLE_SHARE * (mono - self._cpu_at)
+        self._cpu, self._cpu_at = cpu, mono
+        if busy:
+            self._idle_since = 0.0
+        elif not self._idle_since:
+            self._idle_since = wall
+
+    def _give_up(self, table: str, where: str) -> None:
+        """End this process: no rank can make progress (see ``find_deadlock``). Its main thread waits in the
+        backend, where nothing reaches it, so the error is said here (stderr, the launcher's failure record, the
+        store for the other ranks) and the process exits with code 1; the launcher then stops the others."""
+        from ..errors import DistributedOperationError
+        from ..launcher import record_failure
+
+        error = DistributedOperationError(table)
+        print("\n".join(f"accelkit: rank {self.rank}: {line}" for line in table.splitlines()), file=sys.stderr)
+        with contextlib.suppress(Exception):
+            post_report(self.store, self.prefix, self.rank, table)
+        run_dir = os.environ.get(_env.RUN_DIR)
+        if run_dir:
+            with contextlib.suppress(Exception):
+                record_failure(run_dir, error, f"rank {self.rank} waits in it, running {where}")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(1)
 
     def _say_waiting(self, op: str, seq: int, waited: float, positions: dict[int, Position]) -> None:
         missing = describe_missing(self.rank, op, seq, positions, list(range(self.world)))
@@ -153,6 +203,11 @@ class Heartbeat(threading.Thread):
         if user is None:
             return "<not in Python code>", False
         return f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}", _in_pass(inner)
+
+
+def _uses_cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 # The code of the passes that may wait for the other ranks outside accelkit's collectives (DDP's
