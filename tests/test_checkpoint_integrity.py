@@ -339,9 +339,14 @@ def test_an_intact_copy_of_a_plain_checkpoint_loads_what_was_saved(plain: Checkp
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("eager", [64, 1], ids=["files opened with the manifest", "shards opened when read"])
 def test_an_intact_copy_of_a_sharded_checkpoint_loads_on_one_process(
-    sharded: Checkpoints,
+    sharded: Checkpoints, eager: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Beyond _EAGER listed files (a job of many ranks), DCP's shard files are opened when first read."""
+    from accelkit.checkpoint import _snapshot
+
+    monkeypatch.setattr(_snapshot, "_EAGER", eager)
     saved, state = sharded["sharded"]
     assert sorted(files_of(saved.path)) == sorted(
         [MANIFEST, "rank-0.json", "rank-1.json"]

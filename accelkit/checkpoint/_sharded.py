@@ -35,6 +35,7 @@ from .. import _safe_io
 from ..errors import CheckpointError
 from ..training import PreparedOptimizer
 from . import _files, _rank_state
+from ._snapshot import METADATA
 from ._snapshot import Snapshot as _Snapshot
 
 __all__ = [
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 SUFFIX = ".dcp"
-METADATA = ".metadata"  # DCP's metadata file, in each object's folder
 
 
 def torch_optimizer(obj: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,15 @@ from .. import _safe_io
 from ..errors import CheckpointError
 from . import _manifest
 
+METADATA = ".metadata"  # DCP's metadata file, in each sharded object's folder (opened with the manifest)
+
 __all__ = ["Snapshot"]
 
 _TRIES = 3  # snapshots taken before a checkpoint replaced each time is given up on
+# Files opened with the manifest, at most: beyond, DCP's shard files (one per saving rank and object) are
+# opened when first read, through the directory held open (still this checkpoint's, or gone; never another's),
+# so that a job of many ranks does not hold world-size descriptors per object on every rank.
+_EAGER = 64
 
 
 @functools.cache
@@ -46,8 +53,9 @@ class Snapshot:
     verifying names them. Close it (or use it in a ``with`` block) when the load is over.
     """
 
-    def __init__(self, path: Path, body: dict[str, Any], dir_fd: int, fds: dict[str, int]) -> None:
-        self.path, self.body, self._dir_fd, self._fds = path, body, dir_fd, fds
+    def __init__(self, path: Path, body: dict[str, Any], dir_fd: int, fds: dict[str, int], absent: set[str]) -> None:
+        self.path, self.body, self._dir_fd, self._fds, self._absent = path, body, dir_fd, fds, absent
+        self._lock = threading.Lock()  # the verifying thread opens files too
 
     @classmethod
     def take(cls, path: Path) -> Snapshot:
@@ -81,31 +89,52 @@ class Snapshot:
             if not _same_file(path, dir_fd):  # its manifest deleted with the rest of it, after a new one took its name
                 raise _Replaced() from None
             raise
+        names = list(body["files"])
+        if len(names) > _EAGER:
+            names = [n for n in names if "/" not in n or n.endswith(f"/{METADATA}")]
         fds: dict[str, int] = {}
+        absent: set[str] = set()
         try:
-            for name in body["files"]:
+            for name in names:
                 try:
                     fds[name] = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
                 except FileNotFoundError:
                     if not _same_file(path, dir_fd):
                         raise _Replaced() from None
-                    # else missing from the checkpoint itself: the verification names it
+                    absent.add(name)  # missing from the checkpoint itself: the verification names it
         except BaseException:
             for fd in fds.values():
                 os.close(fd)
             raise
-        return cls(path, body, dir_fd, fds)
+        return cls(path, body, dir_fd, fds, absent)
+
+    def _open(self, name: str) -> int | None:
+        """The open file of the listed ``name`` (opened now if it was not with the manifest), or None if missing."""
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is not None or name in self._absent:
+                return fd
+            try:
+                fd = self._fds[name] = os.open(name, os.O_RDONLY, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                if not _same_file(self.path, self._dir_fd):
+                    raise CheckpointError(
+                        f"{self.path} was replaced or removed while it was being loaded ({name} is gone: a save "
+                        f"into the same directory, or keep_last pruning it); load it again"
+                    ) from None
+                self._absent.add(name)
+            return fd
 
     def missing(self, name: str) -> bool:
-        """Whether the listed file ``name`` was not there when the snapshot was taken."""
-        return name not in self._fds
+        """Whether the listed file ``name`` is not in the checkpoint."""
+        return self._open(name) is None
 
     def fd(self, name: str) -> int:
-        """The open file of ``name``; FileNotFoundError naming it if it was missing."""
-        try:
-            return self._fds[name]
-        except KeyError:
-            raise FileNotFoundError(2, "No such file or directory", str(self.path / name)) from None
+        """The open file of ``name``; FileNotFoundError naming it if it is missing."""
+        fd = self._open(name)
+        if fd is None:
+            raise FileNotFoundError(2, "No such file or directory", str(self.path / name))
+        return fd
 
     def opener(self, name: str) -> str:
         """A path that opens the file of this snapshot (not whatever ``path/name`` names now)."""
