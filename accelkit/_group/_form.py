@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +23,6 @@ def form(
     Returns the store and its address. Raises :class:`ConfigurationError` when the launcher left
     the address out, :class:`StateError` when the group does not form within ``timeout`` seconds.
     """
-    import torch.distributed as dist
 
     addr = launch.master_addr or launch_opts.get("master_addr")
     port = launch.master_port or launch_opts.get("master_port")
@@ -39,13 +39,7 @@ def form(
         else:
             raise ConfigurationError(f"rank {launch.rank}: MASTER_PORT is not set; export MASTER_PORT=<free port>")
     try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            str(addr),
-            int(port),
-            launch.world_size,
-            is_master=launch.rank == 0 and not launch.agent_store,
-            timeout=timedelta(seconds=timeout),
-        )
+        store = _store(str(addr), int(port), launch.world_size, launch.rank == 0 and not launch.agent_store, timeout)
         _init(backend, store, prefix, launch.rank, launch.world_size, timeout)
     except Exception as exc:
         raise StateError(
@@ -54,6 +48,29 @@ def form(
             f"started and that MASTER_ADDR/MASTER_PORT agree across them."
         ) from exc
     return store, (str(addr), int(port))
+
+
+_REBIND_S = 5.0  # how long the main process tries again to listen on a port that is still being released
+
+
+def _store(addr: str, port: int, world_size: int, is_master: bool, timeout: float) -> Any:
+    """The job's TCPStore; the main process tries again for a few seconds while the port is in use.
+
+    After ``ak.reset_state()`` the same process forms its group again on the same port, and the last
+    store's listening socket may not be closed yet (torch's store closes it on a thread of its own).
+    """
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + _REBIND_S
+    while True:
+        try:
+            return dist.TCPStore(  # type: ignore[attr-defined]
+                addr, port, world_size, is_master=is_master, timeout=timedelta(seconds=timeout)
+            )
+        except Exception as exc:
+            if not (is_master and "EADDRINUSE" in str(exc) and time.monotonic() < deadline):
+                raise
+            time.sleep(0.1)
 
 
 def reform(st: Any, store: Any, prefix: str) -> None:
