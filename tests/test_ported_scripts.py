@@ -280,6 +280,44 @@ def test_one_region_per_optimizer_step_is_silent() -> None:
             opt.zero_grad()
 
 
+def schedules_at_the_end(steps: int) -> list[str]:
+    """Three prepared schedules over ``steps`` optimizer steps: two sized Accelerate's way (x num_processes), one
+    from the run's own steps; the warnings ``ak.end_training`` gives on this rank."""
+    model = nn.Linear(3, 1)
+    world = ak.world_size()
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(3)]
+    schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(optimizers[0], lambda k: max(0.0, 1 - k / (steps * world))),
+        torch.optim.lr_scheduler.OneCycleLR(optimizers[1], max_lr=0.1, total_steps=steps * world),
+        torch.optim.lr_scheduler.LambdaLR(optimizers[2], lambda k: max(0.0, 1 - k / steps)),  # the right length
+    ]
+    model, *prepared = ak.prepare(model, *optimizers, *schedulers)
+    for _ in range(steps):
+        ak.backward(model(torch.ones(2, 3)).sum())
+        for opt in prepared[:3]:
+            opt.step()
+            opt.zero_grad()
+        for sched in prepared[3:]:
+            sched.step()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ak.end_training()
+    return [str(w.message) for w in seen if "optimizer steps but the run took" in str(w.message)]
+
+
+@pytest.mark.distributed
+def test_a_schedule_sized_for_num_processes_times_the_steps_warns_at_end_training() -> None:
+    """Accelerate's recipe (num_training_steps * num_processes) stretches the schedule: said once, on rank 0."""
+    from accelkit.testing import run_distributed
+
+    on_rank_0, on_rank_1 = run_distributed(schedules_at_the_end, (6,), num_processes=2)
+    assert len(on_rank_0) == 2 and on_rank_1 == [], (on_rank_0, on_rank_1)
+    assert on_rank_0[0].startswith("LambdaLR was sized for 12 optimizer steps but the run took 6 (2x fewer")
+    assert on_rank_0[1].startswith("OneCycleLR was sized for 12 optimizer steps but the run took 6")
+    assert "num_training_steps = math.ceil(len(loader) / accumulation_steps) * epochs" in on_rank_0[0]
+    assert schedules_at_the_end(6) == []  # one process: nothing is stretched
+
+
 def test_several_losses_per_step_with_steps_1_given_are_silent() -> None:
     a, b = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
     with warnings.catch_warnings():

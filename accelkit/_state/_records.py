@@ -103,13 +103,14 @@ class TrainingState:
       ``ak.load_state`` restores them by that order. A list, not a ``WeakSet``: the order
       is how a resumed run matches each saved position to its loader.
     - ``models``: the models ``ak.prepare`` returned (weak), so that preparing one again is a no-op.
+    - ``schedulers``: the prepared schedulers (weak), whose lengths ``ak.end_training`` checks.
     - ``saving``: ``ak.save_state(blocking=False)``'s save in flight and staging buffers
       (``checkpoint/_async``); ``close()`` waits for it, before the state or group goes.
     """
 
     __slots__ = ("accumulating", "accumulation_steps", "active_loaders", "backward_calls", "loaders", "micro_step",
-                 "models", "optimizers", "saving", "strategy", "sync_gradients", "torch_step", "warned",
-                 "whole_regions")  # fmt: skip
+                 "models", "optimizers", "saving", "schedulers", "strategy", "sync_gradients", "torch_step",
+                 "warned", "whole_regions")  # fmt: skip
 
     def __init__(self) -> None:
         self.micro_step = 0
@@ -125,6 +126,7 @@ class TrainingState:
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.loaders: list[weakref.ReferenceType[Any]] = []
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.schedulers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.saving: Any = None
 
     def use(self, strategy: "Strategy | None") -> None:

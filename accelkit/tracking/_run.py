@@ -184,6 +184,10 @@ def end_training() -> None:
         from ..collectives import settle
 
         settle(st)  # the last collective's check, where an accelerator left it on its way
+    if st is not None and st.is_main_process and _state.training.schedulers:
+        from ..training import check_schedules
+
+        check_schedules(st.world_size)  # a schedule sized Accelerate's way (num_processes times too long)
     saving: Exception | None = None
     if _state.training.saving is not None:
         from ..checkpoint import finish_saving

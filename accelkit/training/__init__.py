@@ -1,7 +1,7 @@
 """The training loop: ``prepare``, ``precision``, ``backward``, ``accumulate``, clipping, ``unwrap``, local SGD."""
 
 from ._local_sgd import LocalSGD, local_sgd
-from ._optim import PreparedOptimizer, PreparedScheduler
+from ._optim import PreparedOptimizer, PreparedScheduler, check_schedules
 from ._precision import precision
 from ._prepare import prepare
 from ._step import accumulate, backward, clip_grad_norm_, clip_grad_value_, no_sync, sync_gradients, unwrap
@@ -12,6 +12,7 @@ __all__ = [
     "PreparedScheduler",
     "accumulate",
     "backward",
+    "check_schedules",
     "clip_grad_norm_",
     "clip_grad_value_",
     "local_sgd",

@@ -13,6 +13,7 @@ optimizer's ``param_groups`` / ``state_dict()``, apply it first.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -171,6 +172,7 @@ class PreparedScheduler:
         self._read_later: Callable[[torch.Tensor], bool | Callable[[], bool]] = (
             hardware.read_later if hardware is not None else _read_now
         )
+        _state.training.schedulers.add(self)  # ak.end_training checks its length (check_schedules)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
@@ -217,6 +219,56 @@ class PreparedScheduler:
 
     def __repr__(self) -> str:
         return f"PreparedScheduler({self.scheduler!r})"
+
+
+# Schedules whose length a scheduler states: its class name -> the attribute holding it.
+_LENGTHS = {"OneCycleLR": "total_steps", "CosineAnnealingLR": "T_max", "LinearLR": "total_iters",
+            "PolynomialLR": "total_iters", "ConstantLR": "total_iters"}  # fmt: skip
+
+
+def check_schedules(world_size: int) -> None:
+    """At ``ak.end_training``: warn, once each, of prepared schedules that end ``world_size`` times later than the run.
+
+    Accelerate steps the scheduler ``num_processes`` times per optimizer step, so its recipes size a
+    schedule ``num_processes`` times longer (``num_training_steps * accelerator.num_processes``, or the
+    unprepared loader's length); here the scheduler steps once per real step, so such a schedule is cut
+    off 1/N of the way through (a linear decay ends at (N-1)/N of its peak). Seen where the run's steps,
+    times the world size, reach the schedule's end: its stated length, or a ``LambdaLR`` whose factor
+    is still well above 0 now and 0 there.
+    """
+    if world_size < 2:
+        return
+    for prepared in list(_state.training.schedulers):
+        sched = prepared.scheduler
+        done = int(getattr(sched, "last_epoch", 0))
+        if done < 2:
+            continue
+        length = getattr(sched, _LENGTHS.get(type(sched).__name__, ""), None)
+        if isinstance(length, int):
+            stretched = abs(length - done * world_size) <= world_size and length > done
+        else:
+            stretched = _factor_ends_at(sched, done, done * world_size)
+        if stretched:
+            warnings.warn(
+                f"{type(sched).__name__} was sized for {done * world_size} optimizer steps but the run took {done} "
+                f"({world_size}x fewer, {world_size} processes): its schedule stopped 1/{world_size} of the way "
+                f"through. accelkit steps a prepared scheduler once per real optimizer step (Accelerate steps it "
+                f"num_processes times), so size it from the prepared loader, without * num_processes: "
+                f"num_training_steps = math.ceil(len(loader) / accumulation_steps) * epochs",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _factor_ends_at(sched: Any, now: int, end: int) -> bool:
+    """A ``LambdaLR``-like schedule whose factors are still well above 0 at step ``now`` and 0 at ``end``."""
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if not isinstance(lambdas, list) or not lambdas:
+        return False
+    try:
+        return all(float(f(now)) > 0.05 and abs(float(f(end))) < 1e-9 for f in lambdas)
+    except Exception:  # a schedule that cannot be asked about another step: nothing to say
+        return False
 
 
 def _read_now(flag: torch.Tensor) -> bool:  # a state built by hand (tests) has no hardware backend
