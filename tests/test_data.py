@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 import accelkit as ak
 from accelkit import _state
 from accelkit.data import prepare_dataloader
-from accelkit.testing import WorkerPool
+from accelkit.testing import WorkerPool, run_distributed
 
 PROPERTY = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 WORLD = 2
@@ -322,8 +322,11 @@ def _resume_live(tmp: str, n: int, b: int, stop: int) -> dict[str, Any]:
     return {"whole": whole, "resumed": resumed, "same_state": torch.equal(g.get_state(), whole_state)}
 
 
-def test_a_followed_generator_resumes_mid_epoch_exactly(pool: WorkerPool, tmp_path: Any) -> None:
-    for out in pool.run(_resume_live, str(tmp_path / "ckpt"), 21, 2, 2):
+@pytest.mark.distributed
+def test_a_followed_generator_resumes_mid_epoch_exactly(tmp_path: Any) -> None:
+    # Fresh workers: the task resets the state twice, forming the group again on the same port, which a
+    # session's pool may still hold through an earlier task's objects.
+    for out in run_distributed(_resume_live, (str(tmp_path / "ckpt"), 21, 2, 2), num_processes=2):
         whole = out["whole"]
         assert whole[0] != whole[1]
         assert out["resumed"] == [whole[0][2:], whole[1]]
