@@ -270,23 +270,24 @@ def _skipped_ranks(path: Path, body: dict[str, Any], st: _state.ProcessState) ->
         return
     saved = body["world_size"]
     files = "rank-0.json" if saved == 1 else f"rank-0.json to rank-{saved - 1}.json"
-    frame = _frames.user_frame()
-    warnings.warn_explicit(
+    _warn_at_user(
         f"accelkit.load_state({os.fspath(path)!r}): saved by {saved} processes, this job has {st.world_size}: "
         f"the objects are restored, but not the per-rank state ({files}: RNG states, grad scaler, dataloader "
         f"positions), which fits only {saved} processes. Enough to evaluate or fine-tune; to resume training "
-        f"exactly, run {saved} processes (strict=True refuses such a load instead of skipping)",
-        UserWarning,
-        frame.f_code.co_filename if frame else "<unknown>",
-        frame.f_lineno if frame else 0,
+        f"exactly, run {saved} processes (strict=True refuses such a load instead of skipping)"
     )
 
 
 def _skipped(path: Path, st: _state.ProcessState, what: str) -> None:
     """``strict=False`` left something out: say what, on the rank it concerns, at the user's call."""
+    _warn_at_user(f"accelkit.load_state({os.fspath(path)!r}, strict=False): rank {st.rank} skipped {what}")
+
+
+def _warn_at_user(message: str) -> None:
+    """A UserWarning pointing at the user's ``load_state`` call."""
     frame = _frames.user_frame()
     warnings.warn_explicit(
-        f"accelkit.load_state({os.fspath(path)!r}, strict=False): rank {st.rank} skipped {what}",
+        message,
         UserWarning,
         frame.f_code.co_filename if frame else "<unknown>",
         frame.f_lineno if frame else 0,
@@ -338,13 +339,9 @@ def _warn_versions(path: Path, body: dict[str, Any], st: _state.ProcessState) ->
     warned = _state.this_process.warned
     if change and st.is_main_process and change not in warned:
         warned.add(change)
-        frame = _frames.user_frame()  # the warning points at the user's load_state call
-        warnings.warn_explicit(
+        _warn_at_user(
             f"accelkit.load_state({os.fspath(path)!r}): {change}. Loading it anyway; if it does not load or "
-            f"resumes differently, load it with the versions that saved it.",
-            UserWarning,
-            frame.f_code.co_filename if frame else "<unknown>",
-            frame.f_lineno if frame else 0,
+            f"resumes differently, load it with the versions that saved it."
         )
 
 
