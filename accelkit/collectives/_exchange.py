@@ -76,7 +76,10 @@ class _Direct:
     def __init__(self) -> None:
         from torch.distributed import distributed_c10d as c10d
 
-        self.pg = c10d._get_default_group()
+        pg = dist.group.WORLD  # the default group, by its public name
+        if pg is None:
+            raise RuntimeError("accelkit's collectives need the default process group, and none is initialised")
+        self.pg = pg
         self.reduce = {name: _options(c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
         self.check = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
         if hasattr(self.check, "asyncOp"):  # begun before the data, and overlapping it
