@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load on first use
-    from ._state import ProcessState, init, is_initialized, reset_state
-    from .checkpoint import (
+    from ._checkpoint import (
         CheckpointInfo,
         full_state_dict,
         latest_checkpoint,
@@ -27,21 +26,12 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         save_state,
         wait_for_checkpoint,
     )
-    from .collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
-    from .config import write_basic_config
-    from .data import gather_for_metrics, skip_first_batches
-    from .errors import (
-        CheckpointError,
-        ConfigurationError,
-        DistributedOperationError,
-        NoExecutableBatchSizeError,
-        StateError,
-        WorkerError,
-    )
-    from .launcher import distributed, launch
-    from .logging import get_logger
-    from .memory import find_executable_batch_size, free_memory
-    from .process import (
+    from ._collectives import broadcast, broadcast_object, gather, gather_object, pad_across_processes, reduce
+    from ._config import write_basic_config
+    from ._data import gather_for_metrics, skip_first_batches
+    from ._launcher import distributed, launch
+    from ._memory import find_executable_batch_size, free_memory
+    from ._process import (
         check_breakpoint,
         device,
         is_local_main_process,
@@ -61,9 +51,10 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         wait_for_everyone,
         world_size,
     )
-    from .split import split_between_processes
-    from .tracking import end_training, get_tracker, init_trackers, log, profile, progress
-    from .training import (
+    from ._split import split_between_processes
+    from ._state import ProcessState, init, is_initialized, reset_state
+    from ._tracking import end_training, get_tracker, init_trackers, log, profile, progress
+    from ._training import (
         accumulate,
         backward,
         clip_grad_norm_,
@@ -75,76 +66,85 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they load
         sync_gradients,
         unwrap,
     )
+    from .errors import (
+        CheckpointError,
+        ConfigurationError,
+        DistributedOperationError,
+        NoExecutableBatchSizeError,
+        StateError,
+        WorkerError,
+    )
+    from .logging import get_logger
 
 # public name -> the module that defines it
 _HOMES: dict[str, str] = {
     "CheckpointError": ".errors",
-    "precision": ".training",
-    "prepare": ".training",
+    "precision": "._training",
+    "prepare": "._training",
     "ProcessState": "._state",
     "init": "._state",
     "is_initialized": "._state",
     "reset_state": "._state",
-    "latest_checkpoint": ".checkpoint",
-    "load_state": ".checkpoint",
-    "save_model": ".checkpoint",
-    "save_state": ".checkpoint",
-    "CheckpointInfo": ".checkpoint",
-    "full_state_dict": ".checkpoint",
-    "read_checkpoint": ".checkpoint",
-    "wait_for_checkpoint": ".checkpoint",
-    "broadcast": ".collectives",
-    "broadcast_object": ".collectives",
-    "gather": ".collectives",
-    "gather_object": ".collectives",
-    "pad_across_processes": ".collectives",
-    "reduce": ".collectives",
-    "gather_for_metrics": ".data",
-    "skip_first_batches": ".data",
+    "latest_checkpoint": "._checkpoint",
+    "load_state": "._checkpoint",
+    "save_model": "._checkpoint",
+    "save_state": "._checkpoint",
+    "CheckpointInfo": "._checkpoint",
+    "full_state_dict": "._checkpoint",
+    "read_checkpoint": "._checkpoint",
+    "wait_for_checkpoint": "._checkpoint",
+    "broadcast": "._collectives",
+    "broadcast_object": "._collectives",
+    "gather": "._collectives",
+    "gather_object": "._collectives",
+    "pad_across_processes": "._collectives",
+    "reduce": "._collectives",
+    "gather_for_metrics": "._data",
+    "skip_first_batches": "._data",
     "ConfigurationError": ".errors",
     "DistributedOperationError": ".errors",
     "NoExecutableBatchSizeError": ".errors",
     "StateError": ".errors",
     "WorkerError": ".errors",
-    "distributed": ".launcher",
-    "launch": ".launcher",
+    "distributed": "._launcher",
+    "launch": "._launcher",
     "get_logger": ".logging",
-    "find_executable_batch_size": ".memory",
-    "free_memory": ".memory",
-    "check_breakpoint": ".process",
-    "device": ".process",
-    "is_local_main_process": ".process",
-    "is_main_process": ".process",
-    "local_main_process_first": ".process",
-    "local_rank": ".process",
-    "main_process_first": ".process",
-    "on_local_main_process": ".process",
-    "on_main_process": ".process",
-    "on_process": ".process",
-    "print": ".process",
-    "rank": ".process",
-    "set_breakpoint": ".process",
-    "set_seed": ".process",
-    "state": ".process",
-    "strategy": ".process",
-    "wait_for_everyone": ".process",
-    "world_size": ".process",
-    "split_between_processes": ".split",
-    "accumulate": ".training",
-    "backward": ".training",
-    "clip_grad_norm_": ".training",
-    "clip_grad_value_": ".training",
-    "local_sgd": ".training",
-    "no_sync": ".training",
-    "sync_gradients": ".training",
-    "unwrap": ".training",
-    "write_basic_config": ".config",
-    "end_training": ".tracking",
-    "get_tracker": ".tracking",
-    "init_trackers": ".tracking",
-    "log": ".tracking",
-    "profile": ".tracking",
-    "progress": ".tracking",
+    "find_executable_batch_size": "._memory",
+    "free_memory": "._memory",
+    "check_breakpoint": "._process",
+    "device": "._process",
+    "is_local_main_process": "._process",
+    "is_main_process": "._process",
+    "local_main_process_first": "._process",
+    "local_rank": "._process",
+    "main_process_first": "._process",
+    "on_local_main_process": "._process",
+    "on_main_process": "._process",
+    "on_process": "._process",
+    "print": "._process",
+    "rank": "._process",
+    "set_breakpoint": "._process",
+    "set_seed": "._process",
+    "state": "._process",
+    "strategy": "._process",
+    "wait_for_everyone": "._process",
+    "world_size": "._process",
+    "split_between_processes": "._split",
+    "accumulate": "._training",
+    "backward": "._training",
+    "clip_grad_norm_": "._training",
+    "clip_grad_value_": "._training",
+    "local_sgd": "._training",
+    "no_sync": "._training",
+    "sync_gradients": "._training",
+    "unwrap": "._training",
+    "write_basic_config": "._config",
+    "end_training": "._tracking",
+    "get_tracker": "._tracking",
+    "init_trackers": "._tracking",
+    "log": "._tracking",
+    "profile": "._tracking",
+    "progress": "._tracking",
 }
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The agreement that ends each attempt of ``find_executable_batch_size`` with several processes.
 
-See :mod:`accelkit.memory` for the protocol: ranks report through the job's key-value
+See :mod:`accelkit._memory` for the protocol: ranks report through the job's key-value
 store (not the possibly broken process group), and re-form the group after a rank ran out
 of memory.
 """

@@ -100,7 +100,7 @@ class WorkerError(RuntimeError):
 
 _SIGTERM = 15  # what the agent sends the workers it stops after a failure
 
-# How a collective that gave up says whom it waited for (accelkit.collectives, accelkit._group's board).
+# How a collective that gave up says whom it waited for (accelkit._collectives, accelkit._group's board).
 # Patterns, not compiled ones: compiled (and cached by ``re``) only when a failure is described.
 _GAVE_UP = r"^(accelkit\.\w+ #\d+) failed on process \d+ of \d+: "
 _WHERE = r"^  - process (\d+): (.+)$"

@@ -7,7 +7,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 from . import _env, _state
-from .process import wait_for_everyone
+from ._process import wait_for_everyone
 
 __all__ = ["MultiProcessAdapter", "get_logger"]
 

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from . import _env, _frames, _state
+from ._launcher import check_picklable, exception_name, free_port, lost_peer, run_workers
 from ._options import LaunchSettings, StateOptions, validate
 from .errors import WorkerError, WorkerFailure
-from .launcher import check_picklable, exception_name, free_port, lost_peer, run_workers
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -102,7 +102,7 @@ def _torchrun(script: str, cwd: str) -> ChildTimes:
 
 def _accelkit_launch(script: str, cwd: str) -> ChildTimes:
     # What the `accelkit` console script runs; `python -m torch.distributed.run` is torchrun's equivalent.
-    cli = "import sys; from accelkit.cli import main; sys.exit(main())"
+    cli = "import sys; from accelkit._cli import main; sys.exit(main())"
     return run_child_timed([sys.executable, "-c", cli, "launch", "-n", "2", script], _env(), cwd=cwd)
 
 

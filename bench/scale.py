@@ -269,7 +269,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
 def run(quick: bool) -> list[Row]:
     from accelkit._group._heartbeat import heartbeat_period
-    from accelkit.launcher._nodes import PERIOD, node_beat_period
+    from accelkit._launcher._nodes import PERIOD, node_beat_period
 
     m = measure(quick)
     rows: list[Row] = []

@@ -89,7 +89,7 @@ def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
         problems.append(f"child processes left running: {sorted(leaked)}")
     if torch.cuda.is_initialized() and not cuda_before and request.node.get_closest_marker("gpu") is None:
         problems.append("CUDA was initialised in the test process (later tests that fork fail): do it in workers")
-    saving = sys.modules.get("accelkit.checkpoint._async")
+    saving = sys.modules.get("accelkit._checkpoint._async")
     lost = saving._unreported() if saving is not None else []
     if lost:  # else the whole session would end with exit code 1, as a script does
         problems.append(

@@ -22,7 +22,7 @@ from weights import load_weights
 
 import accelkit as ak
 from accelkit import _checksum, _safe_io
-from accelkit.checkpoint import CheckpointError, _manifest
+from accelkit._checkpoint import CheckpointError, _manifest
 from accelkit.testing import WorkerPool, run_distributed
 
 # --- a small run with shuffling and dropout ---------------------------------------------------

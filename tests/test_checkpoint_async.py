@@ -25,7 +25,7 @@ from test_checkpoint_sharded import assert_equal, run
 
 import accelkit as ak
 from accelkit import _safe_io, _state
-from accelkit.checkpoint import CheckpointError, _async
+from accelkit._checkpoint import CheckpointError, _async
 from accelkit.testing import WorkerPool
 
 
@@ -261,7 +261,7 @@ def test_a_rank_that_cannot_stage_fails_the_save_on_every_rank(pool: WorkerPool,
 
 def background_agreement_tensors(root: str) -> tuple[bool, list[Any]]:
     """After an async save: whether its group's last calls' tensors are held from Python; a big exchange."""
-    from accelkit.collectives import _exchange, exchange_objects
+    from accelkit._collectives import _exchange, exchange_objects
 
     _exchange._KEPT.clear()
     ak.save_state(f"{root}/a", blocking=False, model=ak.prepare(small_model(1.0)), step=1)

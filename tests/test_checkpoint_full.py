@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import accelkit as ak
-from accelkit.checkpoint import CheckpointError, _manifest
+from accelkit._checkpoint import CheckpointError, _manifest
 from accelkit.testing import WorkerPool
 
 # --- FSDP (2 processes) -> one process -> FSDP ------------------------------------------------

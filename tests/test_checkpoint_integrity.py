@@ -344,7 +344,7 @@ def test_an_intact_copy_of_a_sharded_checkpoint_loads_on_one_process(
     sharded: Checkpoints, eager: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Beyond _EAGER listed files (a job of many ranks), DCP's shard files are opened when first read."""
-    from accelkit.checkpoint import _snapshot
+    from accelkit._checkpoint import _snapshot
 
     monkeypatch.setattr(_snapshot, "_EAGER", eager)
     saved, state = sharded["sharded"]
@@ -573,7 +573,7 @@ def test_loads_of_the_latest_while_keep_last_prunes_it_load_one_whole_save(tmp_p
 
 def ranks_read(which: str) -> str:
     """Every rank's outcome of one load-state exchange where each rank read ``which`` checkpoint."""
-    from accelkit.checkpoint._agree import Agreement
+    from accelkit._checkpoint._agree import Agreement
 
     read = f"saved at {ak.rank() if which == 'different' else 0} ns"
     try:

@@ -23,7 +23,7 @@ from weights import load_weights
 
 import accelkit as ak
 from accelkit import _checksum, _safe_io
-from accelkit.checkpoint import CheckpointError, _commit, _manifest
+from accelkit._checkpoint import CheckpointError, _commit, _manifest
 from accelkit.testing import WorkerPool, run_distributed
 
 # --- a small sharded run ----------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_a_damaged_dcp_file_is_named_on_every_rank(pool: WorkerPool, tmp_path: P
 
 def read_fails_on_rank_1(root: str) -> str:
     """Save, then load while rank 1's reads of verified shards fail (a disk error): every rank's error."""
-    from accelkit.checkpoint import _sharded
+    from accelkit._checkpoint import _sharded
 
     model, opt = sharded_model()
     ak.save_state(f"{root}/a", model=model, optimizer=opt)

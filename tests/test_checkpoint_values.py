@@ -14,7 +14,7 @@ from processes import subprocess_env
 from test_checkpoint import small_model
 
 import accelkit as ak
-from accelkit.checkpoint import CheckpointError
+from accelkit._checkpoint import CheckpointError
 from accelkit.testing import WorkerPool
 
 

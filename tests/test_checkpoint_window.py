@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelkit as ak
-from accelkit.checkpoint import CheckpointError
+from accelkit._checkpoint import CheckpointError
 from accelkit.testing import WorkerPool
 
 BATCHES = 7  # per epoch and rank: odd, so that the last window of an epoch is short and the windows shift

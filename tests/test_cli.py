@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from accelkit.cli import main
+from accelkit._cli import main
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import accelkit as ak
-from accelkit.cli import _sysinfo, main
+from accelkit._cli import _sysinfo, main
 
 
 def cli(argv: list[str]) -> int:
@@ -164,7 +164,7 @@ def test_env_reports_a_broken_config_file_instead_of_failing(
 
 
 def test_env_runs_as_a_command() -> None:
-    command = "import sys; from accelkit.cli import main; sys.exit(main())"  # what the console script runs
+    command = "import sys; from accelkit._cli import main; sys.exit(main())"  # what the console script runs
     done = subprocess.run(
         [sys.executable, "-c", command, "env"], capture_output=True, text=True, timeout=120, check=False
     )
@@ -174,7 +174,7 @@ def test_env_runs_as_a_command() -> None:
 
 def test_launch_warnings_do_not_import_torch() -> None:
     # `accelkit launch` calls it before starting anything; torch costs seconds to import.
-    code = "import sys, accelkit.cli._sysinfo as s; s.launch_warnings(4096); print('torch' in sys.modules)"
+    code = "import sys, accelkit._cli._sysinfo as s; s.launch_warnings(4096); print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

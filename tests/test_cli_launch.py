@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 from processes import alive, subprocess_env
 
-from accelkit.cli import build_parser, main
-from accelkit.cli._mpirun import hostfile_hosts, mpirun_command
-from accelkit.cli._script import read_launch
-from accelkit.config import config_in_effect
-from accelkit.launcher import LaunchPlan
+from accelkit._cli import build_parser, main
+from accelkit._cli._mpirun import hostfile_hosts, mpirun_command
+from accelkit._cli._script import read_launch
+from accelkit._config import config_in_effect
+from accelkit._launcher import LaunchPlan
 from accelkit.testing import free_port
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
 PROBE = str(SCRIPTS / "launch_probe.py")
-CLI = "import sys; from accelkit.cli import main; sys.exit(main())"
+CLI = "import sys; from accelkit._cli import main; sys.exit(main())"
 
 
 def _plan(*argv: str) -> LaunchPlan:
@@ -45,7 +45,7 @@ def _write(path: Path, text: str) -> str:
 
 
 def test_help_imports_neither_torch_nor_yaml() -> None:
-    probe = "import sys; from accelkit.cli import main\ntry: main(['launch', '--help'])\nexcept SystemExit: pass\n"
+    probe = "import sys; from accelkit._cli import main\ntry: main(['launch', '--help'])\nexcept SystemExit: pass\n"
     probe += "print(sorted(m for m in ('torch', 'yaml') if m in sys.modules))"
     done = subprocess.run(
         [sys.executable, "-c", probe], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -193,7 +193,7 @@ def test_bad_values_from_the_environment_or_the_config_stop_the_launch(
 
 
 def test_mpirun_command() -> None:
-    program = ["python", "-m", "accelkit.cli._worker", "t.py", "--lr", "1"]
+    program = ["python", "-m", "accelkit._cli._worker", "t.py", "--lr", "1"]
     assert mpirun_command("mpirun", 4, program, ["ACCELKIT_CPU", "MASTER_PORT"]) == [
         "mpirun", "-np", "4", "-x", "ACCELKIT_CPU", "-x", "MASTER_PORT", *program,
     ]  # fmt: skip
@@ -292,7 +292,7 @@ def test_a_failing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
     assert re.match(r"accelkit: rank 1 failed: ValueError: bad batch on rank 1( \(and 1 more\))?\n", report), report
     trace = report[report.index("Traceback (most recent call last):") :].splitlines()
     assert trace[1].strip().startswith(f'File "{PROBE}"'), "the traceback starts in the user's script"
-    assert "accelkit/cli" not in err and "runpy" not in err, "no traceback of the launcher itself"
+    assert "accelkit/_cli" not in err and "runpy" not in err, "no traceback of the launcher itself"
     assert "a collective that waits" not in err, "the timeout is said with --debug and by accelkit env, not each time"
 
 

@@ -89,8 +89,8 @@ def test_bad_src(collective: Any) -> None:
 def test_headers_are_read_at_their_place_in_views_on_the_host_and_as_on_a_device() -> None:
     # The verdict's two forms (host, device) read each rank's header where it lies, also inside a view
     # that starts further into its storage (a broadcast receiver's message tail), and agree.
-    from accelkit.collectives import _check
-    from accelkit.collectives._signature import AGREE, HEADER
+    from accelkit._collectives import _check
+    from accelkit._collectives._signature import AGREE, HEADER
 
     mine = bytes(range(1, HEADER + 1))
     for ranks, width, at, lead in ((1, 100, 36, 0), (3, 80, 16, 0), (2, 70, 6, 11)):

@@ -117,7 +117,7 @@ def test_plans_that_calls_miss_or_change_give_the_right_results(pool: WorkerPool
 def replans_of_alternating_calls() -> int:
     """Runs of three broadcasts and three reductions, six times: how often every rank learned a call anew
     (a first call at a point, or a plan missed)."""
-    from accelkit.collectives import _checked
+    from accelkit._collectives import _checked
 
     learned = 0
     original = _checked._agreed

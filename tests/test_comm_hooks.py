@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import accelkit as ak
+from accelkit._config import load_config
 from accelkit._options import env_overrides
-from accelkit.config import load_config
 from accelkit.testing import WorkerPool
 
 POWER_SGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}

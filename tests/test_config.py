@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import accelkit as ak
+from accelkit._cli import main as cli
+from accelkit._config import _file as _config
+from accelkit._config import config_in_effect, resolve
 from accelkit._options import DEFAULT_TIMEOUT
-from accelkit.cli import main as cli
-from accelkit.config import _file as _config
-from accelkit.config import config_in_effect, resolve
 from accelkit.errors import ConfigurationError
 
 
@@ -170,7 +170,7 @@ def test_state_options_follow_edits_of_the_file(tmp_path: Path, monkeypatch: pyt
 
 
 def test_without_a_config_file_yaml_is_not_imported(tmp_path: Path) -> None:
-    probe = "import sys, accelkit.config as c; print(c.config_in_effect(), 'yaml' in sys.modules)"
+    probe = "import sys, accelkit._config as c; print(c.config_in_effect(), 'yaml' in sys.modules)"
     for extra in ({}, {"ACCELKIT_CONFIG_FILE": "x"}):
         env = _subprocess_env(XDG_CONFIG_HOME=str(tmp_path))
         env.pop("ACCELKIT_CONFIG_FILE") if extra else None  # unset: the default path, which does not exist
@@ -590,7 +590,7 @@ def test_interactive_end_of_input_writes_nothing(
 def test_interactive_over_a_real_stdin(tmp_path: Path) -> None:
     path = tmp_path / "stdin.yaml"
     answers = "\n2\nfp16\nyes\nddp\n1\nno\n"
-    code = "import sys; from accelkit.cli import main; sys.exit(main())"
+    code = "import sys; from accelkit._cli import main; sys.exit(main())"
     done = subprocess.run(
         [sys.executable, "-c", code, "config", "--config-file", str(path)],
         input=answers, env=_subprocess_env(), capture_output=True, text=True, timeout=300,
@@ -609,7 +609,7 @@ def test_interactive_over_a_real_stdin(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv", [["--help"], ["config", "--help"], ["config", "default", "--help"]])
 def test_help_imports_neither_torch_nor_yaml(argv: list[str]) -> None:
     probe = (
-        f"import sys\nfrom accelkit.cli import main\ntry: main({argv!r})\nexcept SystemExit: pass\n"
+        f"import sys\nfrom accelkit._cli import main\ntry: main({argv!r})\nexcept SystemExit: pass\n"
         "print('torch' in sys.modules, 'yaml' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", probe], env=_subprocess_env(), capture_output=True, text=True,

@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import accelkit as ak
 from accelkit import _state
-from accelkit.data import prepare_dataloader
+from accelkit._data import prepare_dataloader
 from accelkit.testing import WorkerPool, run_distributed
 
 PROPERTY = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

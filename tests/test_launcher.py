@@ -298,7 +298,7 @@ import accelkit as ak
 
 @ak.distributed(num_processes=2, cpu=True)
 def main(greeting: str) -> tuple[str, str, list[str]]:
-    launcher = ("torch.distributed.elastic", "multiprocessing.queues", "accelkit.launcher._agent")
+    launcher = ("torch.distributed.elastic", "multiprocessing.queues", "accelkit._launcher._agent")
     return greeting, __name__, sorted(m for m in sys.modules if m.startswith(launcher))
 
 

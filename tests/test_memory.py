@@ -47,7 +47,7 @@ class Records(logging.Handler):
 @pytest.fixture
 def retries() -> Iterator[Records]:
     handler = Records()
-    logger = logging.getLogger("accelkit.memory")
+    logger = logging.getLogger("accelkit._memory")
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)

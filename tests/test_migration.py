@@ -39,7 +39,7 @@ def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     [
         [sys.executable, PORTED, "decorator", "2"],
         [sys.executable, PORTED, "launch", "2"],
-        [sys.executable, "-m", "accelkit.cli", "launch", "-n", "2", "--cpu", PORTED],
+        [sys.executable, "-m", "accelkit", "launch", "-n", "2", "--cpu", PORTED],
     ],
     ids=["@ak.distributed", "ak.launch", "accelkit launch"],
 )
@@ -189,7 +189,7 @@ def test_interrupting_an_in_process_launch_stops_every_worker(tmp_path: Path, si
 
 @pytest.mark.slow
 def test_accelerate_launch_spellings_are_accepted_and_typos_get_a_hint(tmp_path: Path) -> None:
-    launch = [sys.executable, "-m", "accelkit.cli", "launch"]
+    launch = [sys.executable, "-m", "accelkit", "launch"]
     done = _run(*launch, "--num_processes", "2", "--mixed_precision", "bf16", "--cpu", PORTED)
     assert done.returncode == 0, done.stderr
     assert f"rank=1 world=2 {EXPECTED}" in done.stdout  # the script's init(precision="bf16") agrees with the flag

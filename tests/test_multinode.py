@@ -20,7 +20,7 @@ from netns import Host, two_hosts, why_not
 from processes import subprocess_env
 
 import accelkit as ak
-from accelkit.launcher._netif import Route, route_to, socket_ifname_env
+from accelkit._launcher._netif import Route, route_to, socket_ifname_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "ddp_train.py")
@@ -37,7 +37,7 @@ def needs_namespaces(test: Any) -> Any:
 
 
 def _launch(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "accelkit.cli", "launch", "--cpu", *argv]
+    return [sys.executable, "-m", "accelkit", "launch", "--cpu", *argv]
 
 
 def _node(k: int, main: Host, rdzv: str, *extra: str, flags: tuple[str, ...] = ()) -> list[str]:
@@ -173,7 +173,7 @@ def test_a_wrong_interface_or_address_fails_in_seconds_naming_the_interfaces(
     # `accelkit env` shows the choice, for the main process of the config file.
     config = tmp_path / "accelkit.yaml"
     config.write_text(f"num_nodes: 2\nmain_process_ip: {main.addr}\nmain_process_port: {PORT}\n")
-    out = other.run([sys.executable, "-m", "accelkit.cli", "env", "--config-file", str(config)], subprocess_env())
+    out = other.run([sys.executable, "-m", "accelkit", "env", "--config-file", str(config)], subprocess_env())
     assert f"- main process: {main.addr}, reached through {other.ifname} ({other.addr})\n" in out
     assert f"- GLOO_SOCKET_IFNAME: {other.ifname} (set by a multi-node launch)\n" in out
     # The same through @ak.distributed: the error reaches the caller.
@@ -260,7 +260,7 @@ def test_a_users_interface_that_cannot_carry_the_job_is_refused() -> None:
 def test_a_node_whose_beat_stopped_is_named_with_its_ranks_and_host() -> None:
     import torch.distributed as dist
 
-    from accelkit.launcher._nodes import NodeBeat, lost_nodes
+    from accelkit._launcher._nodes import NodeBeat, lost_nodes
     from accelkit.testing import free_port
 
     port = free_port()

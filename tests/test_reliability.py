@@ -41,8 +41,8 @@ import torch
 from processes import RUNS_OF_TWENTY, alive, subprocess_env
 
 import accelkit as ak
+from accelkit._launcher._failures import collect_failures, lost_peer, record_failure
 from accelkit.errors import WorkerFailure
-from accelkit.launcher._failures import collect_failures, lost_peer, record_failure
 from accelkit.testing import WorkerPool, free_port, run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -179,7 +179,7 @@ def test_a_broadcast_mismatch_reaches_the_source_at_its_next_collective(pool: Wo
 def test_a_launch_whose_ranks_call_different_collectives_ends_promptly(session: list[subprocess.Popen[str]]) -> None:
     # Found by the check before any data moves: both ranks raise the table at once.
     script = str(SCRIPTS / "different_collectives.py")
-    proc = _start(session, ["-m", "accelkit.cli", "launch", "-n", "2", "--cpu", script])
+    proc = _start(session, ["-m", "accelkit", "launch", "-n", "2", "--cpu", script])
     started = time.monotonic()
     _, err = proc.communicate(timeout=120)
     assert time.monotonic() - started < 30 and proc.returncode == 1, err[-3000:]
@@ -359,7 +359,7 @@ def test_no_gloo_thread_outlives_the_exit_hooks(group: str, session: list[subpro
 
 LAUNCHERS = {
     "torchrun": lambda port: ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port],
-    "accelkit launch": lambda port: ["-m", "accelkit.cli", "launch", "-n", "2", "--cpu", "--main-process-port", port],
+    "accelkit launch": lambda port: ["-m", "accelkit", "launch", "-n", "2", "--cpu", "--main-process-port", port],
 }
 
 
@@ -406,7 +406,7 @@ def _probe_pids(report_dir: Path, proc: subprocess.Popen[str]) -> list[int]:
 
 
 LIFELINE_PROBES = {
-    "accelkit launch": ["-m", "accelkit.cli", "launch", "-n", "2", "--cpu", str(SCRIPTS / "lifeline_probe.py")],
+    "accelkit launch": ["-m", "accelkit", "launch", "-n", "2", "--cpu", str(SCRIPTS / "lifeline_probe.py")],
     "@ak.distributed": [str(SCRIPTS / "lifeline_probe.py"), "--distributed"],
 }
 
@@ -665,7 +665,7 @@ def test_a_bad_launch_stops_before_anything_starts(tmp_path: Path, session: list
         for name, (argv, expected) in cases.items():
             started = time.monotonic()
             proc = _start(
-                session, ["-m", "accelkit.cli", "launch", "-n", "2", "--cpu", *argv], REPORT_DIR=str(tmp_path)
+                session, ["-m", "accelkit", "launch", "-n", "2", "--cpu", *argv], REPORT_DIR=str(tmp_path)
             )
             _, err = proc.communicate(timeout=60)
             assert time.monotonic() - started < 30, name

@@ -139,7 +139,7 @@ def test_import_initialises_nothing_and_stays_light() -> None:
 
 def test_cli_help_does_not_import_torch() -> None:
     probe = (
-        "import sys\nfrom accelkit.cli import main\n"
+        "import sys\nfrom accelkit._cli import main\n"
         "try: main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
     )
     done = subprocess.run(

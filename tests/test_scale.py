@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from accelkit._group._heartbeat import STORE_WRITES_PER_S, Heartbeat, heartbeat_period
+from accelkit._launcher._nodes import NodeBeat, node_beat_period
 from accelkit._state import GroupState
-from accelkit.launcher._nodes import NodeBeat, node_beat_period
 
 
 @pytest.mark.parametrize("world", [1, 2, 8, 64, 256, 257, 1024, 4096, 65536])

@@ -48,7 +48,7 @@ def readme_sbatch_script() -> str:
 def by_hand(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The reference: the training script launched by hand with 2 processes, no SLURM."""
     out = tmp_path_factory.mktemp("by-hand")
-    argv = [sys.executable, "-m", "accelkit.cli", "launch", "--cpu", "-n", "2", str(SCRIPTS / "ddp_train.py")]
+    argv = [sys.executable, "-m", "accelkit", "launch", "--cpu", "-n", "2", str(SCRIPTS / "ddp_train.py")]
     done = subprocess.run(argv, env=subprocess_env(REPORT_DIR=str(out)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out / "params.pt")
@@ -107,7 +107,7 @@ def test_scancel_stops_every_process_of_the_job(slurm: Cluster, tmp_path: Path) 
     running = job_processes(job)
     commands = list(running.values())
     # The batch shell, srun, `accelkit launch` and its two workers, at least.
-    assert sum("accelkit.cli._worker train.py" in c for c in commands) == 2, commands
+    assert sum("accelkit._cli._worker train.py" in c for c in commands) == 2, commands
     assert any(" launch --num-nodes 1 --node-rank 0" in c for c in commands), commands
     assert any("slurm_script" in c for c in commands), commands
     slurm.run(["scancel", job])

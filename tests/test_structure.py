@@ -202,10 +202,10 @@ def test_no_private_module_is_imported_from_another_package() -> None:
 def test_the_command_line_imports_no_torch_at_module_level() -> None:
     # `accelkit --help` and `accelkit config` stay fast: what the command line and each subcommand's
     # module pull in when imported (and the runner that starts a launched script), at module level.
-    from accelkit.cli import COMMANDS
+    from accelkit._cli import COMMANDS
 
     graph = {name: _edges(m, m.top_level) for name, m in MODULES.items()}
-    starts = ["accelkit.cli", "accelkit.cli._worker", *(f"accelkit.cli.{module}" for module, _ in COMMANDS.values())]
+    starts = ["accelkit._cli", "accelkit._cli._worker", *(f"accelkit._cli.{module}" for module, _ in COMMANDS.values())]
     for start in starts:
         parents = {start.rsplit(".", k)[0] for k in range(1, start.count(".") + 1)}  # run first, on any import
         seen = {start, *parents}

@@ -14,7 +14,7 @@ import torch
 from processes import subprocess_env
 
 import accelkit as ak
-from accelkit.cli import main as cli_main
+from accelkit._cli import main as cli_main
 
 HAS_TENSORBOARD = __import__("importlib").util.find_spec("tensorboard") is not None
 needs_tensorboard = pytest.mark.skipif(not HAS_TENSORBOARD, reason='needs pip install "accelkit[tensorboard]"')
@@ -142,7 +142,7 @@ def test_options_come_from_init_environment_and_the_call(tmp_path: Path, monkeyp
 def test_the_config_file_and_launch_flags_carry_the_options(tmp_path: Path) -> None:
     config = tmp_path / "accelkit.yaml"
     config.write_text("log_with: [tensorboard, csv]\nproject_dir: experiments\n")
-    from accelkit.config import load_config
+    from accelkit._config import load_config
 
     assert load_config(config).state == {"log_with": ("tensorboard", "csv"), "project_dir": "experiments"}
     bad = tmp_path / "bad.yaml"
@@ -151,8 +151,8 @@ def test_the_config_file_and_launch_flags_carry_the_options(tmp_path: Path) -> N
         load_config(bad)
     script = tmp_path / "noop.py"
     script.write_text("")
-    from accelkit.cli._script import read_launch
-    from accelkit.cli.launch import add_arguments
+    from accelkit._cli._script import read_launch
+    from accelkit._cli.launch import add_arguments
 
     parser = __import__("argparse").ArgumentParser()
     add_arguments(parser)

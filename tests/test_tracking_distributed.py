@@ -138,7 +138,7 @@ def test_a_crash_on_rank_1_leaves_rank_0s_files_flushed_and_readable(tmp_path: P
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "accelkit.cli", "launch", "-n", "2", "--cpu", "--log-with", "csv"]
+    command = [sys.executable, "-m", "accelkit", "launch", "-n", "2", "--cpu", "--log-with", "csv"]
     command += ["--project-dir", str(tmp_path), str(ROOT / "tests" / "scripts" / "tracking_probe.py"), *args]
     return subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
 

@@ -167,8 +167,8 @@ class Heartbeat(threading.Thread):
         """End this process: no rank can make progress (see ``find_deadlock``). Its main thread waits in the
         backend, where nothing reaches it, so the error is said here (stderr, the launcher's failure record, the
         store for the other ranks) and the process exits with code 1; the launcher then stops the others."""
+        from .._launcher import record_failure
         from ..errors import DistributedOperationError
-        from ..launcher import record_failure
 
         error = DistributedOperationError(table)
         print("\n".join(f"accelkit: rank {self.rank}: {line}" for line in table.splitlines()), file=sys.stderr)

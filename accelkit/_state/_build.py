@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _env, _frames
 from .._backends import select_backend
+from .._config import resolve
 from .._options import INIT_LAUNCH_NAMES, InitOptions
-from ..config import resolve
 from ..errors import StateError
 from ._globals import current, register_process_hooks, stop_upkeep, this_process, training
 from ._records import ProcessState

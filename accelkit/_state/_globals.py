@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..config import resolve
+from .._config import resolve
 from ._records import GroupState, ProcessState, TrainingState
 
 __all__ = [
@@ -39,7 +39,7 @@ class ProcessGlobals:
     - ``training`` and ``group``: the records of training and of the process group. Reset in place,
       so that ``_state.training`` and ``_state.group`` (read on the step path) are always these.
     - ``owns_group``: accelkit formed the process group (and so destroys it).
-    - ``tracking``: the running experiment trackers (``accelkit.tracking``'s record), None when none.
+    - ``tracking``: the running experiment trackers (``accelkit._tracking``'s record), None when none.
     - ``breakpoint_requested``: set by ``ak.set_breakpoint``, taken by ``ak.check_breakpoint``.
 
     Kept by every reset: ``generation`` (groups this process formed: each gets its own key prefix;
