@@ -53,9 +53,9 @@ class Team:
         st = _state.get() if many else None
         if st is None or not st.distributed:
             return None
-        from torch.distributed import distributed_c10d
+        from . import _torch_private
 
-        store = distributed_c10d._get_default_store()
+        store = _torch_private.default_store()
         while isinstance(store, dist.PrefixStore):  # type: ignore[attr-defined]
             store = store.underlying_store
         return cls(st, store)

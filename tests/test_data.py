@@ -4,6 +4,7 @@ batch samplers, on one process and on two gloo processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections import namedtuple
@@ -448,7 +449,7 @@ def test_active_loader_entries_come_and_go() -> None:
 
 
 def test_batches_are_moved_to_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    meta = ak.state()._replace(device=torch.device("meta"))
+    meta = dataclasses.replace(ak.state(), device=torch.device("meta"))
     monkeypatch.setattr(_state, "get", lambda: meta)
     samples = [{"x": torch.ones(2), "pair": Pair(torch.zeros(1), "tag"), "ids": [torch.tensor(i)]} for i in range(3)]
     loader = prepare_dataloader(DataLoader(samples, batch_size=3))

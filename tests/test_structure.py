@@ -268,7 +268,7 @@ def test_the_bool_or_int_check_is_written_once() -> None:
 
 
 def test_the_root_stays_short_and_modules_small() -> None:
-    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(root) <= 16, root
     big = []
     for module in MODULES.values():

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .. import _safe_io
+from .. import _safe_io, _torch_private
 from .._training import PreparedOptimizer
 from ..errors import CheckpointError
 from . import _files, _rank_state
@@ -195,13 +195,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     _ALLOWED: ClassVar[set[tuple[str, str]]] = {
         ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("pathlib", "PosixPath"),
         ("pathlib", "WindowsPath"),
         ("pathlib", "PurePosixPath"),
         ("pathlib", "PureWindowsPath"),
         ("collections", "OrderedDict"),
+        *_torch_private.DCP_METADATA_NAMES,
     }
 
     def find_class(self, module: str, name: str) -> Any:

@@ -48,16 +48,6 @@ class CommunicationError(Exception):
 _KEPT: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=8)
 
 
-def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
-    _KEPT.append(args)
-    try:
-        _wait(fn(*args, async_op=True, **kwargs))
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:
-        raise CommunicationError(exc) from exc
-
-
 def _wait(work: Any) -> None:
     """Wait for ``work``, bounded by the group's timeout.
 
@@ -69,52 +59,11 @@ def _wait(work: Any) -> None:
         work.wait()
 
 
-class _Direct:
-    """The default group's backend, called directly: what ``torch.distributed``'s functions call, without
-    their per-call checks and options (a few µs, as much as a small collective's whole check costs)."""
-
-    def __init__(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
-        pg = dist.group.WORLD  # the default group, by its public name
-        if pg is None:
-            raise RuntimeError("accelkit's collectives need the default process group, and none is initialised")
-        self.pg = pg
-        self.reduce = {name: _options(c10d.AllreduceOptions, reduceOp=op) for name, op in _OPS.items()}
-        self.check = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
-        if hasattr(self.check, "asyncOp"):  # begun before the data, and overlapping it
-            self.check.asyncOp = True
-        self.gather = _options(c10d.AllgatherOptions)  # type: ignore[attr-defined]
-        self.gather_single = getattr(self.pg, "all_gather_single", None) or getattr(self.pg, "_allgather_base", None)
-        self.roots: dict[int, Any] = {}
-
-    def root(self, src: int) -> Any:
-        opts = self.roots.get(src)
-        if opts is None:
-            opts = self.roots[src] = _options(dist.BroadcastOptions, rootRank=src, rootTensor=0)
-        return opts
-
-
-def _options(kind: Any, **values: Any) -> Any:
-    opts = kind()
-    for name, value in values.items():
-        setattr(opts, name, value)
-    if hasattr(opts, "asyncOp"):  # a synchronous call: the backend may run it on this thread, no handoff
-        opts.asyncOp = False
-    return opts
-
-
-def _direct() -> _Direct:
-    direct = _state.group.direct
-    if direct is None:
-        direct = _state.group.direct = _Direct()
-    return direct  # type: ignore[no-any-return]
-
-
-def _run(start: Any, *args: Any) -> None:
+def _run(fn: Any, *args: Any, **kwargs: Any) -> None:
+    """One synchronous torch.distributed call (``async_op=False``: the backend may run it on this thread)."""
     _KEPT.append(args)
     try:
-        _wait(start(*args))
+        fn(*args, **kwargs)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:
@@ -123,25 +72,28 @@ def _run(start: Any, *args: Any) -> None:
 
 def broadcast_tensor(x: torch.Tensor, src: int) -> None:
     """Broadcast ``x`` in place from ``src`` (a global rank: the default group's)."""
-    d = _direct()
-    _run(d.pg.broadcast, [torch.view_as_real(x) if x.is_complex() else x], d.root(src))
+    _run(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src)
 
 
 def all_reduce(x: torch.Tensor, op: str) -> None:
     """Reduce ``x`` in place over the ranks with ``op`` ("sum", "max", "min" or "product")."""
-    d = _direct()
-    _run(d.pg.allreduce, [torch.view_as_real(x) if x.is_complex() else x], d.reduce[op])
+    _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op])
 
 
 def all_gather(out: torch.Tensor, x: torch.Tensor, world: int, group: Any = None) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order (over ``group``)."""
-    d = _direct() if group is None else None
     if x.is_complex():
         out, x = torch.view_as_real(out), torch.view_as_real(x)
-    if d is not None and d.gather_single is not None:
-        _run(d.gather_single, out, x, d.gather)
-    else:  # another group than the default one, or a backend without the single-tensor form
-        _call(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
+    if _state.group.gather_lists:  # a backend without the single-tensor form (gloo before torch 2.?)
+        _run(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
+        return
+    try:
+        _run(dist.all_gather_into_tensor, out, x, group=group)
+    except CommunicationError as exc:
+        if "support" not in str(exc):  # gloo before torch 2.?: "no support for _allgather_base"
+            raise
+        _state.group.gather_lists = True
+        _run(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +255,7 @@ def exchange_objects(obj: Any, group: Any) -> list[Any]:
 
 def barrier() -> None:
     """The backend's own barrier (unchecked collectives)."""
-    _call(dist.barrier)
+    _run(dist.barrier)
 
 
 def loads(payload: bytes) -> Any:
@@ -337,10 +289,9 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
 
 def start_sum(x: torch.Tensor) -> Any:
     """Begin summing ``x`` in place over the ranks without waiting; :func:`wait` waits for it."""
-    d = _direct()
     _KEPT.append((x,))
     try:
-        return d.pg.allreduce([x], d.check)
+        return dist.all_reduce(x, async_op=True)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -150,8 +151,8 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
         strategy = select_strategy(options, st.world_size, device)
         if st.strategy is not None:
             strategy.keep_from(st.strategy)
-    st = this_process.state = st._replace(
-        options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
+    st = this_process.state = dataclasses.replace(
+        st, options=options, hardware=hardware, device=device, strategy=strategy, sources=sources, origins=origins
     )
     training.use(strategy)
     return st

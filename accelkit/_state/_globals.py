@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -181,7 +182,8 @@ def new_task() -> None:
             from .._strategies import select_strategy
 
             resolved = resolve(call="accelkit.testing")
-            st = this_process.state = st._replace(
+            st = this_process.state = dataclasses.replace(
+                st,
                 options=resolved.options,
                 sources=dict(resolved.sources),
                 origins={},

@@ -1,7 +1,9 @@
 """What the process-global object holds: the state snapshot, and the records of training and of the group."""
 
+import dataclasses
 import weakref
 from collections.abc import Mapping
+from dataclasses import field as _field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -15,11 +17,12 @@ if TYPE_CHECKING:
 __all__ = ["NOWHERE", "GroupState", "Now", "ProcessState", "TrainingState"]
 
 
-class ProcessState(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class ProcessState:
     """Where this process stands in the job. Read it with ``ak.state()``.
 
-    A named tuple: ``st._replace(name=value)`` makes a changed copy. ``pid``, ``hardware``,
-    ``strategy``, ``sources`` and ``origins`` take no part in its equality, hash and repr.
+    An immutable record: ``dataclasses.replace(st, name=value)`` makes a changed copy. ``pid``,
+    ``hardware``, ``strategy``, ``sources`` and ``origins`` take no part in its equality, hash and repr.
 
     Example:
         >>> import accelkit as ak
@@ -38,28 +41,14 @@ class ProcessState(NamedTuple):
     options: Options
     launcher: str = "none"
     restart_count: int = 0  # how many times the elastic agent restarted the job so far
-    # Not compared (see _COMPARED):
-    pid: int = 0  # the process that made it: a forked child does not use its parent's
-    hardware: Backend | None = None
-    strategy: "Strategy | None" = None  # chosen once, from the options
-    sources: Mapping[str, str] = {}  # option -> its layer
-    origins: Mapping[str, str] = {}  # option -> who set it in code
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return self[:_COMPARED] == other[:_COMPARED]
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    def __hash__(self) -> int:
-        return hash(self[:_COMPARED])
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={value!r}" for name, value in zip(self._fields[:_COMPARED], self, strict=False))
-        return f"{type(self).__qualname__}({shown})"
+    # Not compared:
+    pid: int = _field(
+        default=0, compare=False, repr=False
+    )  # the process that made it: a forked child does not use its parent's
+    hardware: "Backend | None" = _field(default=None, compare=False, repr=False)
+    strategy: "Strategy | None" = _field(default=None, compare=False, repr=False)  # chosen once, from the options
+    sources: Mapping[str, str] = _field(default_factory=dict, compare=False, repr=False)  # option -> its layer
+    origins: Mapping[str, str] = _field(default_factory=dict, compare=False, repr=False)  # option -> who set it in code
 
     @property
     def distributed(self) -> bool:
@@ -72,9 +61,6 @@ class ProcessState(NamedTuple):
     @property
     def is_local_main_process(self) -> bool:
         return self.local_rank == 0
-
-
-_COMPARED = ProcessState._fields.index("pid")  # the fields before pid make a state's identity
 
 
 class TrainingState:
@@ -169,8 +155,8 @@ class GroupState:
       and ``previous_agreement`` the key prefix of the last one, deleted after the next.
     """
 
-    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "direct", "heartbeat", "key", "meetings", "now",
-                 "pending", "plans", "prefix", "previous_agreement", "seq", "store")  # fmt: skip
+    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "gather_lists", "heartbeat", "key", "meetings",
+                 "now", "pending", "plans", "prefix", "previous_agreement", "seq", "store")  # fmt: skip
 
     def __init__(self) -> None:
         self.prefix = "accelkit"
@@ -180,7 +166,7 @@ class GroupState:
         self.seq = 0  # accelkit collectives begun on this group: the number of the current or last one
         self.key = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
         self.plans: dict[int, Any] = {}  # what every rank sends at a point (collectives/_plan)
-        self.direct: Any = None  # the default group's backend and its options, called directly (collectives/_exchange)
+        self.gather_lists = False  # no all_gather_into_tensor in the backend: gather into a list (_collectives)
         self.pending: Any = (
             None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
         )
@@ -197,4 +183,4 @@ class GroupState:
 
     def restart_collectives(self) -> None:
         """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
-        self.seq, self.key, self.plans, self.pending, self.direct = 0, 0, {}, None, None
+        self.seq, self.key, self.plans, self.pending = 0, 0, {}, None

@@ -60,9 +60,8 @@ class CommHook(NamedTuple):
             hook, state = self.hook, self.state
         elif self.hook in _POWER_SGD:
             hook = powerSGD_hook.powerSGD_hook if self.hook == "power_sgd" else powerSGD_hook.batched_powerSGD_hook
+            _refuse_cpu_power_sgd(self.hook, ddp)
             state = powerSGD_hook.PowerSGDState(group, **self.options)
-            if _on_the_cpu(ddp):
-                hook = _without_cuda(hook)
         else:
             hook = default_hooks.fp16_compress_hook if self.hook == "fp16" else default_hooks.bf16_compress_hook
             state = group
@@ -74,38 +73,18 @@ class CommHook(NamedTuple):
         ddp.register_comm_hook(state, hook)
 
 
-def _on_the_cpu(ddp: nn.parallel.DistributedDataParallel) -> bool:
-    param = next(ddp.module.parameters(), None)
-    return param is not None and param.device.type == "cpu"
-
-
-def _without_cuda(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """torch's PowerSGD ``hook`` as it runs where torch sees no GPU.
-
-    Its hooks call ``torch.cuda.synchronize(device)`` with the gradients' device whenever CUDA is
-    available, which fails for CPU gradients (a model on the CPU of a machine with GPUs, ``cpu=True``).
-    The copy reads ``torch`` from globals where ``torch.cuda.is_available()`` is False; the rest of
-    ``torch`` is the real one, and nothing is changed for anyone else. Every CPU model gets it: where
-    torch sees no GPU anyway, it runs as the original does.
-    """
-    import types
-
+def _refuse_cpu_power_sgd(name: str, ddp: nn.parallel.DistributedDataParallel) -> None:
+    """torch's PowerSGD hooks call ``torch.cuda.synchronize(device)`` with the gradients' device whenever
+    CUDA is available: CPU gradients on a machine with GPUs (``cpu=True``) fail there, in backward."""
     import torch
 
-    class _Seen(types.ModuleType):  # a module's attributes, but for those set here
-        def __init__(self, real: types.ModuleType, **changed: Any) -> None:
-            super().__init__(real.__name__)
-            self.__dict__.update(changed)
-            self._real = real
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._real, name)
-
-    cuda = _Seen(torch.cuda, is_available=lambda: False)
-    scope = {**hook.__globals__, "torch": _Seen(torch, cuda=cuda)}
-    copy = types.FunctionType(hook.__code__, scope, hook.__name__, hook.__defaults__, hook.__closure__)
-    copy.__kwdefaults__ = hook.__kwdefaults__
-    return functools.update_wrapper(copy, hook)
+    param = next(ddp.module.parameters(), None)
+    if param is not None and param.device.type == "cpu" and torch.cuda.is_available():
+        raise ConfigurationError(
+            f"{_CALL}(comm_hook={name!r}) on the CPU of a machine with GPUs: PyTorch's PowerSGD hook synchronises "
+            f"CUDA on the gradients' device and fails on CPU gradients there. Train on the GPUs (drop cpu=True), "
+            f"or use comm_hook='fp16' or 'bf16' on the CPU"
+        )
 
 
 def _renamed(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -172,7 +151,7 @@ def comm_hook(given: Mapping[str, Any], options: Options) -> CommHook | None:
             f"{_CALL}({named}, comm_wrapper={wrapper!r}): comm_hook={hook!r} compresses already; a wrapper goes "
             f"around 'power_sgd', 'batched_power_sgd' or your own hook"
         )
-    if hook == "batched_power_sgd" and not _batched_power_sgd_works():
+    if hook == "batched_power_sgd" and not _batched_power_sgd_runs():
         import torch
 
         raise ConfigurationError(
@@ -184,17 +163,10 @@ def comm_hook(given: Mapping[str, Any], options: Options) -> CommHook | None:
     return CommHook(hook, wrapper, checked, state)
 
 
-def _batched_power_sgd_works() -> bool:
-    """Whether torch's batched PowerSGD hook can run: it orthogonalises one 2-D matrix, which recent
-    versions' ``_orthogonalize`` refuses (it wants a batch). Probed, so a fixed torch passes by itself."""
-    import torch
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+def _batched_power_sgd_runs() -> bool:
+    from .. import _torch_private
 
-    try:
-        powerSGD_hook._orthogonalize(torch.ones(2, 1))  # type: ignore[no-untyped-call]
-    except AssertionError:
-        return False
-    return True
+    return _torch_private.batched_power_sgd_runs()
 
 
 def _power_sgd_options(given: Mapping[str, Any]) -> dict[str, Any]:

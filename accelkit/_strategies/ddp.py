@@ -7,8 +7,9 @@ from typing import Any
 
 from torch import nn
 
+from .. import _torch_private
 from .comm_hooks import CommHook
-from .single import SingleProcess
+from .single import SingleProcess, inner_attribute
 
 __all__ = ["DDP", "PreparedDDP"]
 
@@ -22,15 +23,7 @@ class PreparedDDP(nn.parallel.DistributedDataParallel):
     """
 
     def __getattr__(self, name: str) -> Any:
-        modules = self.__dict__.get("_modules")
-        if modules is not None and name in modules:  # ``self.module``, in DDP's every forward: one call
-            return modules[name]
-        try:
-            return super().__getattr__(name)  # DDP's own parameters and buffers (it has none of its own)
-        except AttributeError:
-            if modules is None or "module" not in modules:  # still being built (or unpickled)
-                raise
-            return getattr(modules["module"], name)
+        return inner_attribute(self, name, "module")  # ``module`` itself (in DDP's every forward) first
 
 
 class DDP(SingleProcess):
@@ -51,8 +44,6 @@ class DDP(SingleProcess):
     def release(self, model: nn.Module) -> None:
         # DDP's reducer, logger and process_group keep the gloo group (and its threads) alive after it was
         # destroyed; left to the interpreter's teardown, a gloo thread then dies taking the GIL: SIGABRT.
-        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else getattr(model, "_orig_mod", None)
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else _torch_private.compiled_inner(model)
         if isinstance(ddp, nn.parallel.DistributedDataParallel):
-            for name in ("reducer", "logger", "process_group"):
-                if name in vars(ddp):
-                    setattr(ddp, name, None)
+            _torch_private.release_ddp(ddp)

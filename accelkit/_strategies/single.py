@@ -14,38 +14,14 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _torch_private
 from .._options import Options
 from ._protocol import Setup, Skipped, Strategy
 
-__all__ = ["PRECISION_DTYPES", "GradSyncOff", "SingleProcess", "StepCalls", "holds_dtensors"]
+__all__ = ["PRECISION_DTYPES", "SingleProcess", "StepCalls", "holds_dtensors", "inner_attribute"]
 
 # The dtype each half precision computes in: autocast's, and FSDP's parameters'.
 PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-_SYNC_FLAG = "require_backward_grad_sync"  # what DDP's no_sync() turns off, in its instance dictionary
-
-
-class GradSyncOff:
-    """DDP's ``no_sync()`` region, re-entrant, for a fraction of its cost (it runs on every micro-step).
-
-    DDP's own is a generator that sets its flag through ``nn.Module.__setattr__``, twice: about ten
-    Python calls. This one sets the same flag in the instance dictionary, and puts it back after.
-    """
-
-    __slots__ = ("_before", "model")
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._before: list[bool] = []
-
-    def __enter__(self) -> None:
-        flags = self.model.__dict__
-        self._before.append(flags[_SYNC_FLAG])
-        flags[_SYNC_FLAG] = False
-
-    def __exit__(self, *exc: object) -> None:
-        self.model.__dict__[_SYNC_FLAG] = self._before.pop()
 
 
 class StepCalls:
@@ -129,7 +105,7 @@ class SingleProcess:
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         if isinstance(model, nn.parallel.DistributedDataParallel):  # the common case first
-            return GradSyncOff(model) if _SYNC_FLAG in model.__dict__ else model.no_sync()
+            return model.no_sync()
         if callable(_method(model, "set_requires_gradient_sync")):  # fully_shard-ed (by ak.prepare or by hand)
             return self._gradient_sync_off(model)
         sync_off = _method(model, "no_sync")  # DDP's, under a torch.compile wrapper
@@ -164,10 +140,16 @@ class SingleProcess:
                 f"optimizer.step(closure) under fp16: the grad scaler cannot re-evaluate a closure (it would see "
                 f"scaled gradients); step {type(optimizer).__name__} without one, or use precision='bf16' or 'no'"
             )
-        if getattr(optimizer, "_step_supports_amp_scaling", False):  # GradScaler always calls its step()
+        fused = _torch_private.skips_on_device(optimizer)
+        if fused is None:  # a torch accelkit was not checked on: the public way, reading the scale twice
+            before = scaler.get_scale()
+            loss = scaler.step(optimizer)
+            scaler.update()
+            return loss, scaler.get_scale() < before
+        if fused:  # GradScaler always calls its step()
             loss = scaler.step(optimizer)
             # Read before update(), which forgets it: the flag the step skipped on, one per device.
-            flags = list(scaler._found_inf_per_device(optimizer).values())
+            flags = _torch_private.found_inf_flags(scaler, optimizer)
             scaler.update()
             if len(flags) <= 1:
                 return loss, flags[0] if flags else False  # none: a disabled scaler, nothing skipped
@@ -191,7 +173,7 @@ class SingleProcess:
     def gradient_scale(self) -> torch.Tensor | float | None:
         if self.scaler is None:
             return None
-        scale: torch.Tensor | None = self.scaler._get_scale_async()  # get_scale() would read it back to the host
+        scale = _torch_private.scale_on_device(self.scaler)  # get_scale() would read it back to the host
         return scale if scale is not None else float(self.scaler.get_scale())
 
     def scaler_state_dict(self) -> dict[str, Any] | None:
@@ -221,7 +203,7 @@ class SingleProcess:
     def unwrap(self, model: nn.Module) -> nn.Module:
         wrappers = _wrapper_types()
         while isinstance(model, wrappers):
-            inner = getattr(model, "_orig_mod", None) or model.module
+            inner = _torch_private.compiled_inner(model) or model.module
             if not isinstance(inner, nn.Module):
                 break
             model = inner
@@ -289,11 +271,25 @@ def _class_has(kind: type, name: str) -> bool:
 def _wrapper_types() -> tuple[type, ...]:
     found: list[type] = [nn.parallel.DistributedDataParallel, nn.DataParallel]
     # Only look for the wrappers of modules already imported: importing them is slow.
-    lazy = (("torch._dynamo.eval_frame", "OptimizedModule"), ("torch.distributed.fsdp", "FullyShardedDataParallel"))
-    for module, name in lazy:
-        if module in sys.modules:
-            found.append(getattr(sys.modules[module], name))
+    compiled = _torch_private.compiled_type()
+    if compiled is not None:
+        found.append(compiled)
+    if "torch.distributed.fsdp" in sys.modules:
+        found.append(sys.modules["torch.distributed.fsdp"].FullyShardedDataParallel)
     return tuple(found)
+
+
+def inner_attribute(wrapper: nn.Module, name: str, inner: str) -> Any:
+    """``name`` of ``wrapper`` as nn.Module finds it (parameters, buffers, submodules), else of its module
+    ``inner``: a wrapper's ``__getattr__`` that shows the wrapped module's attributes."""
+    try:
+        return nn.Module.__getattr__(wrapper, name)
+    except AttributeError as missing:
+        try:
+            wrapped = nn.Module.__getattr__(wrapper, inner)
+        except AttributeError:  # still being built (or unpickled)
+            raise missing from None
+        return getattr(wrapped, name)
 
 
 def holds_dtensors(obj: Any) -> bool:

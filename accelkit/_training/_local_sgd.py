@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .. import _state
+from .. import _state, _torch_private
 from .._collectives import reduce
 from .._options import is_int
 from ._precision import MixedPrecisionModule
@@ -115,7 +115,5 @@ def _is_ddp(model: nn.Module) -> bool:
     """Whether ``model`` is DDP under accelkit's precision wrapper and ``torch.compile``'s, if any."""
     if isinstance(model, MixedPrecisionModule):
         model = model.forward_module
-    inner = getattr(model, "_orig_mod", None)  # torch.compile
-    if isinstance(inner, nn.Module):
-        model = inner
+    model = _torch_private.compiled_inner(model) or model
     return isinstance(model, nn.parallel.DistributedDataParallel)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import _state, _tree
 from .._options import PRECISIONS, suggest
-from .._strategies.single import PRECISION_DTYPES
+from .._strategies.single import PRECISION_DTYPES, inner_attribute
 from ..errors import ConfigurationError
 
 __all__ = ["MixedPrecisionModule", "Precision", "autocast", "autocast_options", "precision"]
@@ -136,7 +136,7 @@ class MixedPrecisionModule(nn.Module):
         idle = self.__dict__.get("_idle")  # absent from a module pickled before there was one
         region = idle.pop() if idle else torch.autocast(self.device_type, **self._autocast)
         with region:
-            outputs = self._modules["forward_module"](*args, **kwargs)  # type: ignore[misc]
+            outputs = self.forward_module(*args, **kwargs)
         if idle is not None:
             idle.append(region)
         # Outputs leave the region in fp32, so losses computed outside it stay accurate.
@@ -145,13 +145,7 @@ class MixedPrecisionModule(nn.Module):
         return _tree.apply_to_tensors(_to_fp32, outputs)
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get("forward_module")
-            if inner is None:  # still being built (or unpickled)
-                raise
-            return getattr(inner, name)
+        return inner_attribute(self, name, "forward_module")
 
     # Special methods are looked up on the type, not through __getattr__: Sequential, ModuleList, ModuleDict.
     def __getitem__(self, key: Any) -> Any:

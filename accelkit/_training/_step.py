@@ -259,8 +259,7 @@ sync_gradients = _SyncGradients()
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """Skip the gradient all-reduce in the body (DDP's ``no_sync``); a no-op on one process.
 
-    Under FSDP2 the body's backward keeps unsharded, unreduced gradients
-    (``set_requires_gradient_sync(False)``) until the region ends.
+    Under FSDP2 the body's backward keeps unsharded, unreduced gradients until the region ends.
 
     Example:
         >>> import accelkit as ak, torch
@@ -269,7 +268,24 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """
     if isinstance(model, MixedPrecisionModule):
         model = model.forward_module
-    return (_state.training.strategy or _state.strategy()).no_sync(model)
+    return _Reentrant(model)
+
+
+class _Reentrant:
+    """``ak.no_sync(model)``, kept and entered again (also inside itself): each entry enters a new region."""
+
+    __slots__ = ("_entered", "_model")
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model, self._entered = model, list[contextlib.AbstractContextManager[Any]]()
+
+    def __enter__(self) -> None:
+        region = (_state.training.strategy or _state.strategy()).no_sync(self._model)
+        region.__enter__()
+        self._entered.append(region)
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        self._entered.pop().__exit__(kind, value, traceback)
 
 
 def clip_grad_norm_(

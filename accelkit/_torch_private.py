@@ -1,0 +1,117 @@
+"""Every private or undocumented torch name accelkit uses, in one place.
+
+Each is here because torch offers no public way to the same end. Each was checked on the
+torch versions in :data:`CHECKED`; on a torch outside them, the scaler's names give way to
+their public, slower equivalents, and the others (no public equivalent) are looked up with
+a clear error if torch removed them. ``tests/test_private_torch.py`` holds this list: a
+private torch name anywhere else in accelkit fails it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.torch_version import TorchVersion
+
+# The torch versions each name below was checked on (the tested range: the smoke set runs on each).
+CHECKED = ("2.4.1", "2.13.0", "2.14.1")
+# Within the checked range (patch releases of the newest included): the scaler's private names are used.
+SCALER = TorchVersion(CHECKED[0]) <= TorchVersion(torch.__version__.split("+")[0]) < TorchVersion("2.15")
+
+# name -> why accelkit uses it (the test checks this list against the code).
+NAMES = {
+    "GradScaler._get_scale_async": "fp16: the loss scale as a device tensor; get_scale() reads it to the host "
+    "(a sync per step)",
+    "GradScaler._found_inf_per_device": "fp16 with a fused optimizer: whether its step was skipped, as a device "
+    "flag, without a sync",
+    "Optimizer._step_supports_amp_scaling": "fp16: fused optimizers skip on the device, so GradScaler always calls "
+    "their step()",
+    "OptimizedModule._orig_mod": "unwrapping a torch.compile'd model (ak.unwrap, DDP under compile); no public "
+    "accessor",
+    "torch._dynamo.eval_frame.OptimizedModule": "recognising a torch.compile'd model, only once dynamo is imported",
+    "distributed_c10d._get_default_store": "find_executable_batch_size's agreement over a group the user formed "
+    "(accelkit did not make its store)",
+    "DistributedDataParallel.reducer/logger/process_group": "dropped when a prepared model is released: left to "
+    "interpreter exit they keep a destroyed gloo group's threads alive (SIGABRT)",
+    "powerSGD_hook._orthogonalize": "probing whether torch's batched PowerSGD hook can run (it fails in backward "
+    "on torch versions whose helper wants a batch)",
+    "torch.serialization._get_layout": "allowed (not called) when unpickling DCP metadata, which names it",
+    "torch.distributed.checkpoint.filesystem._StorageInfo": "allowed (not called) when unpickling DCP metadata",
+}
+
+
+# The private classes DCP's metadata pickles name: allowed by name when unpickling it, never called.
+DCP_METADATA_NAMES = {
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
+
+def _missing(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"accelkit needs torch's {name}, which torch {torch.__version__} no longer has (accelkit was checked on "
+        f"torch {', '.join(CHECKED)}): install one of those, or a newer accelkit"
+    )
+
+
+def scale_on_device(scaler: Any) -> torch.Tensor | None:
+    """The scaler's scale as a tensor where it is, without a sync; None where only the public way is left."""
+    get = getattr(scaler, "_get_scale_async", None) if SCALER else None
+    return get() if get is not None else None
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool | None:
+    """Whether ``optimizer`` skips an overflowing step itself (fused); None where only the public way is left."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) if SCALER else None
+
+
+def found_inf_flags(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The overflow flags the scaler stepped ``optimizer`` with, one per device (read before ``update()``)."""
+    return list(scaler._found_inf_per_device(optimizer).values())
+
+
+def compiled_inner(model: Any) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper runs; None for any other object."""
+    inner = getattr(model, "_orig_mod", None) if isinstance(model, nn.Module) else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def compiled_type() -> type | None:
+    """torch.compile's wrapper class, where dynamo was imported (importing it is slow); else None."""
+    module = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(module, "OptimizedModule", None) if module is not None else None
+
+
+def default_store() -> Any:
+    """The store of the default process group."""
+    from torch.distributed import distributed_c10d
+
+    get = getattr(distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise _missing("torch.distributed.distributed_c10d._get_default_store")
+    return get()
+
+
+def release_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Drop the references a DDP model keeps to its process group (its reducer, logger and group)."""
+    for name in ("reducer", "logger", "process_group"):
+        if name in vars(ddp):
+            setattr(ddp, name, None)
+
+
+def batched_power_sgd_runs() -> bool:
+    """Whether torch's batched PowerSGD hook can compress: its helper orthogonalises one 2-D matrix,
+    which some versions' helper refuses (it wants a batch). Probed, so a fixed torch passes by itself."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    probe = getattr(powerSGD_hook, "_orthogonalize", None)
+    if probe is None:
+        raise _missing("powerSGD_hook._orthogonalize")
+    try:
+        probe(torch.ones(2, 1))
+    except AssertionError:
+        return False
+    return True
