@@ -10,6 +10,11 @@ would write it by hand: gather = ``all_gather_into_tensor`` into a new tensor; r
 ``clone`` + ``all_reduce``; broadcast = ``clone`` on the source, ``empty_like`` elsewhere, +
 ``broadcast``; pad = ``all_gather`` of the sizes + ``new_zeros`` + copy; trees one call per leaf.
 
+Where Accelerate is installed (``pip install accelerate``), its calls for the same jobs
+(``accelerate.utils.gather/reduce/broadcast/pad_across_processes`` and
+``Accelerator.gather_for_metrics``) are timed in the same blocks, each contender leading in
+turn: the ``Accelerate:`` rows give its ratio against the same raw reference.
+
 ``added CPU`` rows isolate what accelkit adds per call from the network's noise: the same
 pairs on torch's in-process fake process group (collectives that do nothing), in a child
 process; their ``diff`` is the µs accelkit spends around each torch.distributed call.
@@ -19,7 +24,7 @@ than cores, so the absolute times grow; the ratio is what compares): µs per cal
 and the bytes each rank sends per call (``bytes/call`` rows: what the process wrote to its
 sockets, from ``/proc/self/io``) against raw.
 
-Run ``python bench/collectives.py [--quick]`` or through ``bench/run.py``.
+Run ``python bench/collectives.py [--quick] [--no-sweep]`` or through ``bench/run.py``.
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ def _raw_pad(x: torch.Tensor) -> torch.Tensor:
 RAW = {"gather": _raw_gather, "reduce": _raw_reduce, "broadcast": _raw_broadcast, "pad_across_processes": _raw_pad}
 
 
-Case = tuple[str, Callable[[], Any], Callable[[], Any]]
+# (name, accelkit's call, raw torch's, Accelerate's or None where it is not installed)
+Case = tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any] | None]
 
 
 def _bind(fn: Callable[[Any], Any], data: Any) -> Callable[[], Any]:
@@ -82,8 +88,27 @@ def _per_leaf(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str,
     return lambda tree: {k: fn(v) for k, v in tree.items()}
 
 
-def _cases(rank: int) -> list[Case]:
+def _accelerate() -> dict[str, Callable[[Any], Any]] | None:
+    """Accelerate's calls for the same jobs (its utils, as ``Accelerator.gather`` etc. call them), if installed."""
+    try:
+        from accelerate import Accelerator
+        from accelerate.utils import broadcast, gather, pad_across_processes, reduce
+    except ImportError:
+        return None
+    accelerator = Accelerator(cpu=True)
+    return {
+        "gather": gather,
+        "reduce": lambda d: reduce(d, reduction="sum"),
+        "broadcast": broadcast,
+        "pad_across_processes": pad_across_processes,
+        "gather_for_metrics": accelerator.gather_for_metrics,
+    }
+
+
+def _cases(rank: int, with_accelerate: bool = True) -> list[Case]:
     import accelkit as ak
+
+    theirs = _accelerate() if with_accelerate else None
 
     ours: dict[str, Callable[[Any], Any]] = {
         "gather": ak.gather,
@@ -96,39 +121,45 @@ def _cases(rank: int) -> list[Case]:
         for label, n in SIZES.items():
             # pad: ranks hold different lengths, so that padding really happens
             x = torch.randn(n - rank if op == "pad_across_processes" else n)
-            cases.append((f"{op} {label} floats", _bind(ours[op], x), _bind(RAW[op], x)))
+            other = _bind(theirs[op], x.clone()) if theirs else None  # Accelerate's broadcast is in place
+            cases.append((f"{op} {label} floats", _bind(ours[op], x), _bind(RAW[op], x), other))
         if op == "pad_across_processes":
             tree = {"logits": torch.randn(8 - rank, 10), "labels": torch.arange(8 - rank)}
         else:
             tree = {"loss": torch.tensor(0.5), "logits": torch.randn(8, 10), "labels": torch.arange(8)}
         name = f"{op} dict of {len(tree)} tensors"
-        cases.append((name, _bind(ours[op], tree), _bind(_per_leaf(RAW[op]), tree)))
+        other = _bind(theirs[op], {k: v.clone() for k, v in tree.items()}) if theirs else None
+        cases.append((name, _bind(ours[op], tree), _bind(_per_leaf(RAW[op]), tree), other))
+    x = torch.randn(SIZES["1e3"])
+    metrics = _bind(theirs["gather_for_metrics"], x) if theirs else None
+    cases.append(("gather_for_metrics 1e3 floats", _bind(ak.gather_for_metrics, x), _bind(_raw_gather, x), metrics))
     for label in ("1e3", "1e6"):
         x = torch.randn(SIZES[label])
-        cases.append((f"raw vs raw: gather {label} floats", _bind(_raw_gather, x), _bind(_raw_gather, x)))
+        cases.append((f"raw vs raw: gather {label} floats", _bind(_raw_gather, x), _bind(_raw_gather, x), None))
     return cases
 
 
-def _measure(quick: bool) -> list[tuple[str, list[float], list[float]]]:
-    """In each worker: (name, accelkit µs per call, reference µs per call) per block."""
+def _measure(quick: bool) -> list[tuple[str, list[float], list[float], list[float]]]:
+    """In each worker: (name, accelkit µs per call, reference µs, Accelerate µs or []) per block."""
     import accelkit as ak
 
     rounds = 10 if quick else 200  # short paired blocks, many of them: the median ratio is stable
     results = []
-    for name, ours, ref in _cases(ak.rank()):
+    for name, ours, ref, theirs in _cases(ak.rank()):
         n_rounds, n_calls = (max(4, rounds // 5), 1) if "1e6" in name else (rounds, 2)
-        for fn in (ours, ref, ours, ref):  # warm-up
+        fns = [ours, ref] if theirs is None else [ours, ref, theirs]
+        for fn in fns * 2:  # warm-up
             fn()
-        samples: dict[int, list[float]] = {0: [], 1: []}
+        samples: list[list[float]] = [[] for _ in fns]
         for r in range(n_rounds):
-            for which in (0, 1) if r % 2 == 0 else (1, 0):
-                fn = ours if which == 0 else ref
+            shift = r % len(fns)  # each contender leads in turn
+            for which in [*range(shift, len(fns)), *range(shift)]:
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(n_calls):
-                    fn()
+                    fns[which]()
                 samples[which].append((time.perf_counter() - start) / n_calls * 1e6)
-        results.append((name, samples[0], samples[1]))
+        results.append((name, samples[0], samples[1], samples[2] if theirs is not None else []))
     return results
 
 
@@ -139,7 +170,7 @@ def _added_cpu(quick: bool) -> list[tuple[str, list[float], list[float]]]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         results = []
-        for name, ours, ref in _cases(0):
+        for name, ours, ref, _ in _cases(0, with_accelerate=False):
             if "1e3" not in name and "dict" not in name:
                 continue  # the added time does not depend on the size
             samples: dict[int, list[float]] = {0: [], 1: []}
@@ -227,10 +258,13 @@ def run(quick: bool) -> list[Row]:
     with WorkerPool(2, task_timeout=900.0, debug=False) as pool:
         per_rank = pool.run(_measure, quick)
     rows = []
-    for name, ours, ref in per_rank[0]:  # rank 0's clock
+    for name, ours, ref, theirs in per_rank[0]:  # rank 0's clock
         target = (TARGET_RATIO - 1) * statistics.median(ref)
         rows.append(paired_row(f"{name} (2 gloo procs)", ours, ref, target=target, unit="us"))
-    rows += sweep(quick)
+        if theirs:
+            rows.append(paired_row(f"  Accelerate: {name}", theirs, ref, unit="us"))
+    if "--no-sweep" not in sys.argv:
+        rows += sweep(quick)
     args = [sys.executable, __file__, "--added-cpu"] + (["--quick"] if quick else [])
     _, out = run_child(args, child_env(ACCELKIT_CPU="1"), timeout=600)
     for name, ours, ref in json.loads(out.strip().splitlines()[-1]):

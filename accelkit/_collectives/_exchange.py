@@ -29,6 +29,8 @@ _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}  # fmt: skip
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
+# torch 2.13 renamed all_gather_into_tensor (now deprecated, with a FutureWarning) to all_gather_single.
+_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SLOT = 1024  # bytes of the first message of an object exchange: 8 of length, then data
 
 
@@ -88,7 +90,7 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, world: int, group: Any = None
         _run(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
         return
     try:
-        _run(dist.all_gather_into_tensor, out, x, group=group)
+        _run(_GATHER_SINGLE, out, x, group=group)
     except CommunicationError as exc:
         if "support" not in str(exc):  # gloo before torch 2.?: "no support for _allgather_base"
             raise
