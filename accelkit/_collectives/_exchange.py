@@ -17,8 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _state
-
 _BYTE = torch.uint8
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 # Dtypes that gloo and nccl cannot reduce, and the dtype they are reduced in (torch lacks some ops too).
@@ -86,16 +84,7 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, world: int, group: Any = None
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order (over ``group``)."""
     if x.is_complex():
         out, x = torch.view_as_real(out), torch.view_as_real(x)
-    if _state.group.gather_lists:  # a backend without the single-tensor form (gloo before torch 2.?)
-        _run(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
-        return
-    try:
-        _run(_GATHER_SINGLE, out, x, group=group)
-    except CommunicationError as exc:
-        if "support" not in str(exc):  # gloo before torch 2.?: "no support for _allgather_base"
-            raise
-        _state.group.gather_lists = True
-        _run(dist.all_gather, list(out.view(world, *x.shape).unbind(0)), x, group=group)
+    _run(_GATHER_SINGLE, out, x, group=group)  # every backend of torch >= 2.4 has it (gloo too)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,7 @@ class GroupState:
       and ``previous_agreement`` the key prefix of the last one, deleted after the next.
     """
 
-    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "gather_lists", "heartbeat", "key", "meetings",
+    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "heartbeat", "key", "meetings",
                  "now", "pending", "plans", "prefix", "previous_agreement", "seq", "store")  # fmt: skip
 
     def __init__(self) -> None:
@@ -166,7 +166,6 @@ class GroupState:
         self.seq = 0  # accelkit collectives begun on this group: the number of the current or last one
         self.key = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
         self.plans: dict[int, Any] = {}  # what every rank sends at a point (collectives/_plan)
-        self.gather_lists = False  # no all_gather_into_tensor in the backend: gather into a list (_collectives)
         self.pending: Any = (
             None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
         )
