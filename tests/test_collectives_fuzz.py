@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import pickle
 from typing import Any
 
 import pytest
@@ -207,7 +208,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _owns(t: torch.Tensor) -> bool:
-    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    # Its data at offset 0 of a storage no other result or input shares (checked below): bytes after it
+    # (a broadcast's or a reduction's token, in the fresh message the result was received in) are allowed.
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+def _pickles(t: torch.Tensor) -> bool:
+    """Whether torch pickles a tensor of this dtype at all (not uint16/32/64, float8, complex32)."""
+    try:
+        pickle.loads(pickle.dumps(t))
+    except AttributeError:
+        return False
+    return True
 
 
 def _refuse(kind: str, data: Any) -> None:
@@ -274,6 +286,8 @@ def _check_step(step: Step, seed: int) -> list[str]:
             problems.append(f"{where}: a view (offset {got.storage_offset()}, {got.untyped_storage().nbytes()} bytes)")
         if got.requires_grad:
             problems.append(f"{where}: has autograd history")
+        if _pickles(ref) and not _same(pickle.loads(pickle.dumps(got)), ref):
+            problems.append(f"{where}: differs once pickled")
         ptr = got.untyped_storage().data_ptr()
         if got.numel() and (ptr in inputs or ptr in seen):
             problems.append(f"{where}: shares storage with an input or another result")

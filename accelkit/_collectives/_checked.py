@@ -79,14 +79,17 @@ class Reduce:
                 message = torch.cat([*values, *_check.bits(call.token, dtype, st.device, logic)])
                 _exchange.all_reduce(message, self.wire)
                 verdict = _verdict_of_bits(st, message[n:], logic)
-                reduced, own = message[:n], False  # each result is copied out of the message
+                reduced, own = message[:n], False  # the results after the first are copied out of the message
             else:
                 reduced = torch.cat(values) if len(values) > 1 else values[0].clone()
                 _exchange.all_reduce(reduced, self.wire)
                 own = len(values) == 1  # the whole message is this leaf's result
             parts = [reduced] if len(values) == 1 else torch.split(reduced, [v.numel() for v in values])
-            for i, part in zip(members, parts, strict=True):
-                out[i] = _exchange.reduced(part if own else part.clone(), self.op, st.world_size, leaves[i])
+            for k, (i, part) in enumerate(zip(members, parts, strict=True)):
+                # The first result may be the message itself: it begins at offset 0 of a fresh storage that
+                # holds nothing else a user can see (the token's bits after it).
+                fresh = own or (k == 0 and part.data_ptr() == message.data_ptr())
+                out[i] = _exchange.reduced(part if fresh else part.clone(), self.op, st.world_size, leaves[i])
         return out, verdict
 
 
@@ -135,29 +138,22 @@ class Broadcast:
     def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
         """One broadcast of the source's bytes and header; a receiver compares the header with its own.
 
-        Beyond ``TAIL_BYTES`` the data moves as raw code moves it (into the results) and the header follows
-        in a broadcast of its own: cheaper than copying the data into a message and out of it."""
+        The first result is the message itself (at offset 0 of a fresh storage whose only other bytes are
+        the header and the later leaves' bytes, which are copied out): at any size, the copies raw code
+        makes (the source's copy of its input, nothing on a receiver) and one backend call."""
         header = call.sig.header(call.seq)
         sizes = [x.numel() * x.element_size() for x in leaves]
         at = sum(sizes)
-        if at > _plan.TAIL_BYTES:
-            out = _exchange.broadcast(leaves, self.src, st.rank)
-            if st.rank == self.src:
-                message = _check.header_tensor(header, st.device)
-            else:
-                message = torch.empty(HEADER, dtype=torch.uint8, device=st.device)
-            _exchange.broadcast_tensor(message, self.src)
-            return out, self._verdict(st, message, 0, header)
         if st.rank == self.src:
             parts = [_exchange.as_bytes(x) for x in leaves]
             message = torch.cat([*parts, _check.header_tensor(header, st.device)])
-            _exchange.broadcast_tensor(message, self.src)
-            return [_exchange.own(x) for x in leaves], True
-        message = torch.empty(at + HEADER, dtype=torch.uint8, device=st.device)
+        else:
+            message = torch.empty(at + HEADER, dtype=torch.uint8, device=st.device)
         _exchange.broadcast_tensor(message, self.src)
         out, offset = [], 0
         for x, n in zip(leaves, sizes, strict=True):
-            out.append(_exchange.from_bytes(message[offset : offset + n].clone(), x))
+            part = message[offset : offset + n]
+            out.append(_exchange.from_bytes(part if offset == 0 else part.clone(), x))
             offset += n
         return out, self._verdict(st, message, at, header)
 

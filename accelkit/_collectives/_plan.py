@@ -16,14 +16,13 @@ every rank that raises forget the plans (a caught one must not leave the counts 
 
 A plan carries the token in its data message (one backend call): at the end of a reduction's data,
 as bits reduced along with it, or as the 64-byte header after a gather's or a broadcast's bytes.
-The copies that costs (the data into the message, the results out of it) were measured cheaper
-than a second backend call beside the data on gloo (a call costs a round trip, and an overlapping
-one a thread's turn and a share of the same sockets), except for a gather or a reduction of more
-than ``TAIL_BYTES`` per rank: their data then moves exactly as raw code moves it (into the result,
-no copy) and the check goes beside it, begun first. So does a reduction whose dtype cannot count
-the ranks exactly (bfloat16 beyond 256 ranks, float16 beyond 2048, 8-bit integers). A broadcast
-beyond ``TAIL_BYTES`` sends its header right after its data in a broadcast of its own (a check beside
-it, an all-reduce, cost up to twice the broadcast on gloo).
+The message is a fresh buffer that replaces the copy raw code makes of the input (a reduction's
+clone, a broadcast source's), and the first result is that buffer itself (its data at offset 0,
+the token after it): a reduction or a broadcast costs raw code's copies at any size. A gather's
+results cannot be its message (every rank's header sits between the ranks' data): beyond
+``TAIL_BYTES`` per rank its data moves as raw code moves it (into the result, no copy) and the check
+goes beside it, begun first. So does a reduction whose dtype cannot count the ranks exactly
+(bfloat16 beyond 256 ranks, float16 beyond 2048, 8-bit integers).
 """
 
 from typing import Any, NamedTuple
@@ -35,7 +34,7 @@ from ._exchange import WIDER
 
 __all__ = ["Plan", "Point", "learn"]
 
-TAIL_BYTES = 1 << 20  # a gather's or reduction's bytes per rank up to which the token rides in the message
+TAIL_BYTES = 1 << 20  # a gather's bytes per rank up to which the token rides in its message
 _MAX_PLANS = 1024  # points; beyond, every rank forgets them all alike
 _ALTERNATIVES = 8  # calls remembered per point; beyond, the one agreed least often goes
 
@@ -98,10 +97,8 @@ def _tail(data: list[torch.Tensor], mover: tuple[str, Any], world: int) -> bool:
         return False
     if mover[0] == "broadcast":
         return True
-    if sum(x.numel() * x.element_size() for x in data) > TAIL_BYTES:
-        return False
     if mover[0] != "reduce":
-        return True
+        return sum(x.numel() * x.element_size() for x in data) <= TAIL_BYTES
     first = WIDER.get(data[0].dtype, data[0].dtype)
     wire = "sum" if mover[1] == "mean" else mover[1]
     return _check.logic(first, wire) or world <= _check.EXACT.get(first, 0)
