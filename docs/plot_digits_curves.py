@@ -1,9 +1,11 @@
 """Draw docs/digits_curves.png from the digits example's CSV: its last run (the ``run`` column).
 
-Needs matplotlib, which no extra of accelkit installs:
+Needs matplotlib, which the ``docs`` extra installs (``.ci/docs`` runs this script on a small file):
 
-    pip install matplotlib
+    pip install -e ".[docs]"
     python examples/digits.py --num-processes 2 && python docs/plot_digits_curves.py runs/digits/metrics.csv
+
+A second argument names another target than ``docs/digits_curves.png``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ def main(source: str, target: str = str(Path(__file__).with_name("digits_curves.
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plot_digits_curves.py needs matplotlib: pip install matplotlib") from None
+        raise SystemExit('plot_digits_curves.py needs matplotlib: pip install -e ".[docs]"') from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

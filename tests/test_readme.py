@@ -1,56 +1,45 @@
-"""The README's Python blocks run as written: each one, saved as a script, runs to its end.
+"""The README is the front door: short, its first example the site's, and a link to every page of the site.
 
-A block that is not meant to run (a fragment) says so on the line before it, with the marker
-``<!-- not run -->``; every other ```` ```python ```` block is run here, in a subprocess with a timeout.
+Its code blocks run with the site's, in ``tests/test_docs.py``.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-from processes import subprocess_env
+from test_docs import fenced_blocks
 
-README = Path(__file__).parent.parent / "README.md"
-NOT_RUN = "<!-- not run -->"
-
-
-def python_blocks(text: str) -> list[tuple[int, str, bool]]:
-    """Each ```` ```python ```` block of ``text``: its first line's number, its code, whether it is meant to run."""
-    lines = text.splitlines()
-    blocks = []
-    for start, line in enumerate(lines):
-        if line.strip() != "```python":
-            continue
-        indent = line[: len(line) - len(line.lstrip())]
-        end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```")
-        code = "".join(f"{row.removeprefix(indent)}\n" for row in lines[start + 1 : end])
-        before = next((lines[i].strip() for i in range(start - 1, -1, -1) if lines[i].strip()), "")
-        blocks.append((start + 1, code, before != NOT_RUN))
-    return blocks
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+MAX_LINES = 300
 
 
-BLOCKS = [pytest.param(code, id=f"README.md:{line}") for line, code, runs in python_blocks(README.read_text()) if runs]
+def _links(text: str) -> set[str]:
+    """The relative link targets of ``text``, without their anchors."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return {t.split("#")[0] for t in targets if not re.match(r"[a-z]+:", t) and not t.startswith("#")}
 
 
-def test_the_readme_has_blocks_to_run_and_the_marker_leaves_a_block_out() -> None:
-    assert BLOCKS, "no runnable ```python block found in README.md"
-    text = f"{NOT_RUN}\n```python\nfragment(x)\n```\n\n- a list item:\n\n  ```python\n  y = 1\n  ```\n"
-    assert python_blocks(text) == [(2, "fragment(x)\n", False), (8, "y = 1\n", True)]
+def test_the_readme_is_short() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines < MAX_LINES, f"README.md has {lines} lines; move the details to a page of docs/"
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("code", BLOCKS)
-def test_a_python_block_of_the_readme_runs_as_written(code: str, tmp_path: Path) -> None:
-    script = tmp_path / "train.py"  # as the README says to save it
-    script.write_text(code)
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    if "print(train(" in code:  # the first block: rank 0's loss, once, on a task it learns
-        assert re.fullmatch(r"\d+\.\d+(e-\d+)?\n", done.stdout), done.stdout
-        assert float(done.stdout) < 0.5
+def test_the_readme_links_every_page_of_the_site() -> None:
+    links = _links(README.read_text())
+    broken = sorted(t for t in links if not (ROOT / t).exists())
+    assert not broken, f"README.md links to files that do not exist: {broken}"
+    # docs/changelog.md only includes CHANGELOG.md into the site: the README links CHANGELOG.md itself.
+    pages = {str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md")} - {"docs/changelog.md"}
+    missing = sorted(pages - links)
+    assert not missing, f"README.md does not link these pages of the site: {missing}"
+    assert "CHANGELOG.md" in links
+
+
+def test_the_readme_opens_with_the_example_the_site_opens_with() -> None:
+    readme = [b for b in fenced_blocks(README.read_text()) if b.lang == "python"]
+    site = [b for b in fenced_blocks((DOCS / "index.md").read_text()) if b.lang == "python"]
+    assert readme[0].code == site[0].code
+    assert readme[0].not_run is None and "@ak.distributed(num_processes=2)" in readme[0].code

@@ -1,4 +1,4 @@
-"""A real SLURM: srun starts the ranks itself, the README's sbatch script runs `accelkit launch`,
+"""A real SLURM: srun starts the ranks itself, the SLURM guide's sbatch script runs `accelkit launch`,
 scancel leaves no process behind, and a failing rank's report lands in the job's output file."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def slurm() -> Iterator[Cluster]:
 
 
 def readme_sbatch_script() -> str:
-    """The sbatch script of the README's SLURM section, as a user would copy it."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    """The sbatch script of the SLURM guide (docs/guides/slurm.md), as a user would copy it."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "guides" / "slurm.md").read_text(), re.DOTALL)
     [script] = [b for b in blocks if "#SBATCH" in b]
     return script
 
@@ -55,7 +55,7 @@ def by_hand(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]
 
 
 def _submit(slurm: Cluster, folder: Path, *args: str) -> tuple[str, Path]:
-    """``sbatch --nodes=1`` of the README's script in ``folder``, 2 processes; the job id and its output file."""
+    """``sbatch --nodes=1`` of the SLURM guide's script in ``folder``, 2 processes; the job id and its output file."""
     (folder / "train.sbatch").write_text(readme_sbatch_script())
     (folder / "train.py").symlink_to(SCRIPTS / "ddp_train.py")
     (folder / "accelkit.yaml").write_text("num_processes: 2\ncpu: true\n")

@@ -1,0 +1,154 @@
+"""Every code block of the README and of the documentation site runs as written; the site is whole.
+
+Each fenced block of ``README.md`` and ``docs/**/*.md`` runs, in a fresh directory, with a timeout:
+a ```` ```python ```` block saved as ``train.py`` (as the README says to save its first one) and run
+with this Python; a ```` ```bash ```` block run by ``bash``, where ``python`` and ``accelkit`` are this
+Python and this checkout's command line, and the config file is the directory's own. Identical blocks
+run once. A block that is not meant to run says so on the line before it, with the reason:
+``<!-- not run: a fragment of a training loop -->`` (a fragment, a GPU, several machines, a cluster,
+an install, minutes of work that another test does). ```` ```text ```` blocks show output: never run.
+
+The site: ``mkdocs.yml``'s navigation lists every page of ``docs/``, and the API reference documents
+every public name (``ak.__all__``, ``accelkit.testing``, ``accelkit.errors``, ``accelkit.logging``).
+``.ci/docs`` builds it with ``mkdocs build --strict``, which checks every link, anchor and docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import yaml
+from processes import subprocess_env
+
+import accelkit as ak
+
+ROOT = Path(__file__).parent.parent
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+RUN = ("python", "bash")  # the languages of blocks that run
+OUTPUT = ("text",)  # what a command prints: shown, not run
+_FENCE = re.compile(r"(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*")  # an opening fence; ```` starts inline code
+_NOT_RUN = re.compile(r"<!-- not run(?::\s*(?P<reason>.*?))?\s*-->")
+
+
+class Block(NamedTuple):
+    """A fenced block of a page: where it starts, its language, its code, why it does not run (None: it runs)."""
+
+    where: str
+    lang: str
+    code: str
+    not_run: str | None
+
+
+def fenced_blocks(text: str, name: str = "page") -> list[Block]:
+    """Each fenced block of ``text``, its indentation (a list item's) removed; the marker read from the line before."""
+    lines = text.splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = _FENCE.fullmatch(lines[i])
+        if fence is None:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        indent = fence["indent"]
+        code = "".join(f"{row.removeprefix(indent)}\n" for row in lines[i + 1 : end])
+        before = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        marker = _NOT_RUN.fullmatch(before)
+        not_run = None if marker is None else (marker["reason"] or "")
+        blocks.append(Block(f"{name}:{i + 1}", fence["lang"], code, not_run))
+        i = end + 1
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    return [b for page in PAGES for b in fenced_blocks(page.read_text(), str(page.relative_to(ROOT)))]
+
+
+def runnable() -> list[Block]:
+    """The blocks that run, each distinct code once (the README's first example is the site's too)."""
+    seen: dict[tuple[str, str], Block] = {}
+    for block in all_blocks():
+        if block.lang in RUN and block.not_run is None:
+            seen.setdefault((block.lang, block.code), block)
+    return list(seen.values())
+
+
+def test_the_marker_leaves_a_block_out_with_its_reason() -> None:
+    text = (
+        "<!-- not run: a fragment -->\n```python\nfragment(x)\n```\n\n- a list item:\n\n  ```bash\n  echo 1\n  ```\n"
+        "\nInline: ```` ```python ```` is no fence.\n\n<!-- not run -->\n```python\ny = 2\n```\n"
+    )
+    assert fenced_blocks(text) == [
+        Block("page:2", "python", "fragment(x)\n", "a fragment"),
+        Block("page:8", "bash", "echo 1\n", None),
+        Block("page:15", "python", "y = 2\n", ""),
+    ]
+
+
+def test_every_block_runs_or_says_why_not() -> None:
+    blocks = all_blocks()
+    assert len(runnable()) >= 8, "the README and the guides have runnable examples"
+    unnamed = [b.where for b in blocks if not b.lang]
+    assert not unnamed, f"a fenced block names its language (```python, ```bash, ```text): {unnamed}"
+    silent = [b.where for b in blocks if b.lang not in RUN + OUTPUT and b.not_run is None]
+    assert not silent, f"blocks of other languages run nowhere; mark them <!-- not run: REASON -->: {silent}"
+    bare = [b.where for b in blocks if b.not_run == ""]
+    assert not bare, f"<!-- not run --> needs its reason, <!-- not run: REASON -->: {bare}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in runnable()])
+def test_a_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+    env = subprocess_env()
+    if block.lang == "python":
+        script = tmp_path / "train.py"  # as the README says to save its first block
+        script.write_text(block.code)
+        argv = [sys.executable, str(script)]
+    else:
+        # `python` and `accelkit` are this interpreter and this checkout's command line (wrappers, not links:
+        # a link to a virtual environment's python leaves the environment); the config file is this directory's.
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        for name, command in (("python", ""), ("accelkit", " -m accelkit")):
+            (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n')
+            (bin_dir / name).chmod(0o755)
+        del env["ACCELKIT_CONFIG_FILE"]
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", XDG_CONFIG_HOME=str(tmp_path / "config"))
+        argv = ["bash", "-c", f"set -euo pipefail\n{block.code}"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{block.where}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    if "print(train(" in block.code:  # the first example: rank 0's loss, once, on a task it learns
+        assert re.fullmatch(r"\d+\.\d+(e-\d+)?\n", done.stdout), done.stdout
+        assert float(done.stdout) < 0.5
+
+
+def _nav_pages(entries: object) -> list[str]:
+    if isinstance(entries, str):
+        return [entries]
+    if isinstance(entries, list):
+        return [page for entry in entries for page in _nav_pages(entry)]
+    if isinstance(entries, dict):
+        return [page for value in entries.values() for page in _nav_pages(value)]
+    return []
+
+
+def test_the_site_lists_every_page_once() -> None:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    nav = _nav_pages(config["nav"])
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    assert sorted(nav) == pages, "mkdocs.yml's nav and the pages of docs/ differ"
+    assert config["strict"] is True
+
+
+def test_the_api_reference_documents_every_public_name() -> None:
+    reference = "\n".join(p.read_text() for p in sorted((DOCS / "reference").glob("*.md")))
+    documented = set(re.findall(r"^::: (\S+)$", reference, re.MULTILINE))
+    missing = {f"accelkit.{name}" for name in ak.__all__} - documented
+    assert not missing, f"docs/reference/accelkit.md lacks `::: NAME` for {sorted(missing)}"
+    assert {"accelkit.testing", "accelkit.errors", "accelkit.logging"} <= documented
