@@ -94,6 +94,7 @@ def test_resume_is_bit_exact_mid_epoch(tmp_path: Path, blocking: bool) -> None:
     assert train(str(tmp_path / "run"), 25, resume=True) == reference
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_resume_is_bit_exact_on_two_processes(pool: WorkerPool, tmp_path: Path, blocking: bool) -> None:
     reference = pool.run(train, str(tmp_path / "ref"), 12)

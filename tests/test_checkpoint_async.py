@@ -22,6 +22,7 @@ import torch
 from processes import subprocess_env
 from test_checkpoint import saved_fill, small_model
 from test_checkpoint_sharded import assert_equal, run
+from torch_versions import needs_default_stager, needs_fsdp2_on_cpu
 
 import accelkit as ak
 from accelkit import _safe_io, _state
@@ -146,6 +147,7 @@ def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, monkeypatch: p
     ak.wait_for_checkpoint()  # nothing in flight: returns at once
 
 
+@needs_default_stager
 def test_each_save_stages_anew_where_torchs_stager_closes_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,6 +227,7 @@ def test_two_processes_whose_background_save_fails_unreported_fail_the_job(tmp_p
 
 
 @pytest.mark.smoke
+@needs_fsdp2_on_cpu
 def test_sharded_state_resumes_bit_exact_after_an_async_save(pool: WorkerPool, tmp_path: Path) -> None:
     reference = pool.run(run, str(tmp_path / "ref"), 6)
     saved = pool.run(run, str(tmp_path / "run"), 5, save_at=3, blocking=False)  # trains on while it is written

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_versions import needs_fsdp2_on_cpu
 from weights import load_weights
 
 import accelkit as ak
@@ -93,6 +94,8 @@ def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.smoke
+@needs_fsdp2_on_cpu
 def test_resume_on_the_same_world_size_is_bit_exact(pool: WorkerPool, tmp_path: Path) -> None:
     reference = pool.run(run, str(tmp_path / "ref"), 6)
     saved = pool.run(run, str(tmp_path / "run"), 3, save_at=3)

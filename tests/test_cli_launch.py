@@ -382,6 +382,7 @@ def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path: Path, rdz
     assert f"accelkit: warning: {crowd} processes on" in err
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 def test_one_node_listens_on_loopback_only_and_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     address = _non_loopback_address()

@@ -165,6 +165,7 @@ def assert_same_tree(actual: Any, expected: Any, exact: bool = True, path: str =
             assert_same_tree(a, e, exact, f"{path}[{i}]")
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 @PROPERTY
 @given(blueprint=blueprints(), seed=st.integers(0, 2**20))
@@ -179,6 +180,7 @@ def test_gather_concatenates_in_rank_order(pool: WorkerPool, blueprint: Any, see
 REDUCERS = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 @PROPERTY
 @given(blueprint=blueprints(), seed=st.integers(0, 2**20), op=st.sampled_from(sorted(REDUCERS)))
@@ -198,6 +200,7 @@ def test_reduce_mean(pool: WorkerPool, blueprint: Any, seed: int) -> None:
         assert_same_tree(out, expected, exact=False)
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 @PROPERTY
 @given(blueprint=blueprints(), seed=st.integers(0, 2**20), src=st.sampled_from([0, 1]))
@@ -207,6 +210,7 @@ def test_broadcast_sends_the_source_tree(pool: WorkerPool, blueprint: Any, seed:
         assert_same_tree(out, expected)
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 @PROPERTY
 @given(
@@ -240,6 +244,7 @@ def _broadcast_object(objs: list[Any], src: int) -> Any:
     return ak.broadcast_object(objs[ak.rank()], src=src)
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 @PROPERTY
 @given(objs=st.lists(objects(), min_size=2, max_size=2))
@@ -248,6 +253,7 @@ def test_gather_object_returns_one_entry_per_rank(pool: WorkerPool, objs: list[A
     assert pool.run(_gather_object, objs) == [objs, objs]
 
 
+@pytest.mark.smoke
 @pytest.mark.distributed
 @PROPERTY
 @given(objs=st.lists(objects(), min_size=2, max_size=2), src=st.sampled_from([0, 1]))

@@ -193,6 +193,7 @@ def _break_then_other() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.smoke
 def test_padding_bookkeeping_survives_break_raise_and_nesting(pool: WorkerPool) -> None:
     for out in pool.run(_break_then_other):
         assert out["a_last"] == [4, 5, 6]

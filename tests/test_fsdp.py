@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 import torch
 from conftest import _pools
 from torch import nn
+from torch_versions import needs_fsdp2_mean_on_cpu
 
 import accelkit as ak
 from accelkit.errors import ConfigurationError, StateError
@@ -115,6 +117,8 @@ def train_plain_pytorch(batch_size: int) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
+@pytest.mark.smoke
+@needs_fsdp2_mean_on_cpu
 def test_fsdp_trains_to_the_ddp_and_the_one_process_parameters(pool: WorkerPool, fsdp_pool: WorkerPool) -> None:
     expected = train_plain_pytorch(16)
     ddp = pool.run(train, 8, 1)
@@ -293,3 +297,15 @@ def test_accelkit_does_not_import_fsdp_or_deepspeed_unless_sharding() -> None:
     done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == []
+
+
+def test_fsdp_on_a_torch_too_old_for_it_is_refused_naming_the_version() -> None:
+    from accelkit._strategies.fsdp import refuse_old_torch
+
+    for version, device, need in (("2.5.1", "cuda", "2.6"), ("2.8.0+cu128", "cpu", "2.9"), ("2.4.1", "cpu", "2.9")):
+        with pytest.raises(
+            ak.ConfigurationError, match=rf"needs PyTorch >= {need}.*this is PyTorch {re.escape(version)}"
+        ):
+            refuse_old_torch(version, torch.device(device))
+    refuse_old_torch("2.6.0", torch.device("cuda"))
+    refuse_old_torch("2.9.0", torch.device("cpu"))

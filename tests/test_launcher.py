@@ -72,6 +72,7 @@ def hang_on_rank_one() -> None:
         time.sleep(600)
 
 
+@pytest.mark.smoke
 def test_returns_rank_zeros_value() -> None:
     assert summed_rank(10, scale=2.0) == {"rank": 0, "world": 2, "sum": 42.0}
 

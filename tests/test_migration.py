@@ -39,7 +39,7 @@ def _run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     [
         [sys.executable, PORTED, "decorator", "2"],
         [sys.executable, PORTED, "launch", "2"],
-        [sys.executable, "-m", "accelkit", "launch", "-n", "2", "--cpu", PORTED],
+        pytest.param([sys.executable, "-m", "accelkit", "launch", "-n", "2", "--cpu", PORTED], marks=pytest.mark.smoke),
     ],
     ids=["@ak.distributed", "ak.launch", "accelkit launch"],
 )

@@ -26,6 +26,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "notebook.ipynb"
 # --- the fork path, in this process ------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_every_option_reaches_forked_workers() -> None:
     def seen() -> dict[str, Any]:  # a closure: only fork can run it, as in a notebook
         st = ak.state()
@@ -193,6 +194,7 @@ def notebook_tools() -> Any:
     return pytest.importorskip("nbformat")
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_example_notebook_trains_on_two_processes(notebook_tools: Any, tmp_path: Path) -> None:
     nb = notebook_tools.read(EXAMPLE, as_version=4)

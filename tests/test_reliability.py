@@ -664,9 +664,7 @@ def test_a_bad_launch_stops_before_anything_starts(tmp_path: Path, session: list
     try:
         for name, (argv, expected) in cases.items():
             started = time.monotonic()
-            proc = _start(
-                session, ["-m", "accelkit", "launch", "-n", "2", "--cpu", *argv], REPORT_DIR=str(tmp_path)
-            )
+            proc = _start(session, ["-m", "accelkit", "launch", "-n", "2", "--cpu", *argv], REPORT_DIR=str(tmp_path))
             _, err = proc.communicate(timeout=60)
             assert time.monotonic() - started < 30, name
             assert proc.returncode in (1, 2) and all(part in err for part in expected), (name, err[-2000:])

@@ -418,6 +418,7 @@ def test_two_processes_match_one_process_with_the_global_batch(
     assert len(expected_lrs) == 2 * 64 // reference_batch
 
 
+@pytest.mark.smoke
 def test_shuffled_two_process_run_matches_the_one_process_run(pool: WorkerPool) -> None:
     expected_params, _ = train_with_accelkit(16, 1, True)
     zero, one = pool.run(train_with_accelkit, 8, 1, True)

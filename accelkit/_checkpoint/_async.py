@@ -4,12 +4,14 @@ The call collects the state and agrees on the directory as a blocking save does,
 every tensor into host memory (pinned when it comes from a GPU) with DCP's ``DefaultStager``,
 which keeps those buffers between saves: from the second save on, staging is a copy into memory
 already there (from torch 2.13 on; before, the stager drops them after each stage, and each save
-takes a new one). A background thread then runs the rest of the save (``_save.write``): each rank
-writes and fsyncs its files, the ranks agree over a gloo group of their own (never the training
-loop's collectives), the main process commits, the ranks agree again, and then prune. Sharded
-objects go through ``dcp.save`` on that thread and group, as DCP's own ``async_save`` does. A save
-that fails after the temporary directory was made has it removed by the main process, once the
-ranks' outcomes came back (no rank writes into it any more); the previous checkpoints stay as they were.
+takes a new one; torch before 2.9 has no ``DefaultStager``, and each save copies the state by hand,
+into new host memory, not pinned: :class:`_HostCopy`). A background thread then runs the rest of
+the save (``_save.write``): each rank writes and fsyncs its files, the ranks agree over a gloo
+group of their own (never the training loop's collectives), the main process commits, the ranks
+agree again, and then prune. Sharded objects go through ``dcp.save`` on that thread and group, as
+DCP's own ``async_save`` does. A save that fails after the temporary directory was made has it
+removed by the main process, once the ranks' outcomes came back (no rank writes into it any more);
+the previous checkpoints stay as they were.
 
 At most one save is in flight per process: the next ``save_state`` (and ``load_state``) waits
 for it. Its failure is agreed on by every rank and raised, once, by the next ``save_state``,
@@ -39,10 +41,12 @@ successful save, or a failure a call raised, leaves the exit as it was.
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +62,7 @@ __all__ = ["Saving", "finish", "start"]
 # Before 2.13, DCP's DefaultStager closes itself after each stage (its buffers dropped, its copier
 # emptied: a second stage fails), so each save stages with a new one there.
 _STAGER_KEEPS_BUFFERS = torch.__version__ >= "2.13"
+_HAS_DEFAULT_STAGER = torch.__version__ >= "2.9"  # torch.distributed.checkpoint.staging.DefaultStager
 _AT_EXIT = "end with exit code 1 on a background save failure no call raised"  # its record: _unreported()
 
 
@@ -91,6 +96,8 @@ class Saving:
         self.thread.start()
 
     def _new_stager(self) -> Any:
+        if not _HAS_DEFAULT_STAGER:
+            return _HostCopy()
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         return DefaultStager(StagingOptions(self.pin_memory, False, False, False))  # pinned, not shared, here, blocking
@@ -123,6 +130,41 @@ class Saving:
                     f"raises it) before ak.reset_state()",
                     stacklevel=4,  # the caller of ak.reset_state()
                 )
+
+
+class _HostCopy:
+    """Staging before torch 2.9 (no ``DefaultStager``): a deep copy of the state, its tensors in host memory.
+
+    DCP's older public ``BlockingAsyncStager`` cannot stand in: it keeps tensors already on the CPU
+    as they are (no copy, so training would change what is being written), and its cached mode pins
+    memory, which needs CUDA. Here ``copy.deepcopy`` copies everything (tensors that share a storage
+    still share one), except plain tensors on an accelerator, which its memo maps to host copies
+    made beforehand (a deep copy would put them on the device again). A DTensor or a tensor inside
+    another object is deep-copied where it is.
+    """
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        memo: dict[int, Any] = {}
+        for t in _tensors(state):
+            if t.device.type != "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter) and id(t) not in memo:
+                memo[id(t)] = t.detach().to("cpu", copy=True)
+        staged: dict[str, Any] = copy.deepcopy(state, memo)
+        return staged
+
+    def close(self) -> None:
+        pass
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``tree``'s dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
 
 
 def finish(call: str) -> None:

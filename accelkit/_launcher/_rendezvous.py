@@ -24,6 +24,20 @@ if TYPE_CHECKING:
     from .._options import LaunchSettings
 
 
+def _listen_fd_backend() -> dict[str, bool]:
+    """TCPStore's keyword for a server on a socket we bound: before torch 2.8 only the legacy backend takes one.
+
+    From torch 2.4 libuv is the default server, and until 2.7 it refuses ``master_listen_fd``
+    (NotImplementedError; the ``USE_LIBUV=0`` variable it suggests is read by torch's own
+    rendezvous helpers, not by a TCPStore made directly). TCPStore's public ``use_libuv=False``
+    picks the legacy server, which listens on the socket as given, so the store still listens
+    on master_addr only. libuv takes the socket from 2.8 on (pytorch#150215): the default there.
+    """
+    import torch
+
+    return {"use_libuv": False} if torch.__version__ < "2.8" else {}
+
+
 @contextlib.contextmanager
 def rendezvous_store(config: LaunchSettings, route: Route | None = None) -> Iterator[tuple[str, int, str]]:
     """Host or join the rendezvous store before the agent does; yields (address, port, run id).
@@ -43,7 +57,15 @@ def rendezvous_store(config: LaunchSettings, route: Route | None = None) -> Iter
         port = int(sock.getsockname()[1])
         run_id = f"accelkit-{uuid.uuid4().hex[:12]}"
         store = dist.TCPStore(  # type: ignore[attr-defined]
-            addr, port, None, True, timeout, wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach()
+            addr,
+            port,
+            None,
+            True,
+            timeout,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
+            **_listen_fd_backend(),
         )
         yield addr, port, run_id  # the store (and its server) lives until the agent is done
         del store

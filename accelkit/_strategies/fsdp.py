@@ -26,7 +26,7 @@ from ..errors import ConfigurationError, StateError
 from .comm_hooks import refuse_comm_hook
 from .single import PRECISION_DTYPES, SingleProcess
 
-__all__ = ["FSDP", "fully_shard_model", "select_units"]
+__all__ = ["FSDP", "fully_shard_model", "refuse_old_torch", "select_units"]
 
 
 def select_units(model: nn.Module, wrap: tuple[str, ...] = (), min_params: int = 0) -> list[nn.Module]:
@@ -81,6 +81,7 @@ class FSDP(SingleProcess):
 
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
         refuse_comm_hook(model_options, self.name)
+        refuse_old_torch(torch.__version__, self.device)
         before = dict(model.named_parameters(remove_duplicate=False))
         fully_shard_model(model, self.options, self.device, self.world_size)
         # An optimizer built before prepare holds the old parameters: remember each one's shard.
@@ -112,6 +113,22 @@ class FSDP(SingleProcess):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(self.device.type)
+
+
+def refuse_old_torch(version: str, device: torch.device) -> None:
+    """FSDP2 needs torch 2.6 (``fully_shard`` public), and 2.9 on the CPU: gloo's averaging reduce-scatter
+    sums without dividing before (checked: 2.7.1 and 2.8.0; pytorch#162338), which would train silently
+    with gradients world-size times too large; 2.6 lacks a CPU stream event FSDP2 records."""
+    from torch.torch_version import TorchVersion
+
+    have = TorchVersion(version.split("+")[0])
+    need = "2.9" if device.type == "cpu" else "2.6"
+    if have < TorchVersion(need):
+        where = " on the CPU (gloo's reduce-scatter averages correctly from 2.9)" if device.type == "cpu" else ""
+        raise ConfigurationError(
+            f"accelkit.prepare(strategy='fsdp') needs PyTorch >= {need}{where}; this is PyTorch {version}. "
+            f"Upgrade PyTorch, or use strategy='ddp'"
+        )
 
 
 def fully_shard_model(model: nn.Module, options: Options, device: torch.device, world_size: int) -> nn.Module:
