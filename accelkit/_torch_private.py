@@ -21,7 +21,7 @@ CHECKED = ("2.4.1", "2.13.0", "2.14.1")
 # Within the checked range (patch releases of the newest included): the scaler's private names are used.
 SCALER = TorchVersion(CHECKED[0]) <= TorchVersion(torch.__version__.split("+")[0]) < TorchVersion("2.15")
 
-# name -> why accelkit uses it (the test checks this list against the code).
+# name -> why accelkit uses it (the test checks this list against the code); each was checked on CHECKED.
 NAMES = {
     "GradScaler._get_scale_async": "fp16: the loss scale as a device tensor; get_scale() reads it to the host "
     "(a sync per step)",
@@ -38,16 +38,25 @@ NAMES = {
     "interpreter exit they keep a destroyed gloo group's threads alive (SIGABRT)",
     "powerSGD_hook._orthogonalize": "probing whether torch's batched PowerSGD hook can run (it fails in backward "
     "on torch versions whose helper wants a batch)",
-    "torch.serialization._get_layout": "allowed (not called) when unpickling DCP metadata, which names it",
-    "torch.distributed.checkpoint.filesystem._StorageInfo": "allowed (not called) when unpickling DCP metadata",
+    "_get_layout of torch's serialization module": "named, not used: a pickled layout (in DCP metadata) is a call "
+    "of it, which the metadata unpickler answers with layout_named, from torch's public layouts",
+    "torch.distributed.checkpoint.filesystem._StorageInfo": "a class DCP metadata holds: the metadata unpickler "
+    "builds it (no public equivalent)",
 }
 
+# How torch pickles a layout (torch.strided, ...): a call of this function by its module and name, with the
+# layout's name. Recognised when unpickling DCP metadata and answered by layout_named, not by torch's function.
+PICKLED_LAYOUT = ("torch.serialization", "_get_layout")
+# The private classes DCP's metadata holds: the metadata unpickler builds them.
+DCP_METADATA_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
 
-# The private classes DCP's metadata pickles name: allowed by name when unpickling it, never called.
-DCP_METADATA_NAMES = {
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-}
+
+def layout_named(name: str) -> torch.layout:
+    """The layout a pickle names (``"torch.strided"``), from torch's public layouts; ValueError for anything else."""
+    found = getattr(torch, name.removeprefix("torch."), None) if name.startswith("torch.") else None
+    if not isinstance(found, torch.layout):
+        raise ValueError(f"{name!r} is not a torch layout")
+    return found
 
 
 def _missing(name: str) -> RuntimeError:

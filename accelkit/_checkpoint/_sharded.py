@@ -200,7 +200,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("pathlib", "PurePosixPath"),
         ("pathlib", "PureWindowsPath"),
         ("collections", "OrderedDict"),
-        *_torch_private.DCP_METADATA_NAMES,
+        *_torch_private.DCP_METADATA_CLASSES,
     }
 
     def find_class(self, module: str, name: str) -> Any:
@@ -212,6 +212,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return found
         elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        elif (module, name) == _torch_private.PICKLED_LAYOUT:
+            return _torch_private.layout_named
         elif (module, name) in self._ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
