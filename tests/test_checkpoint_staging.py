@@ -41,3 +41,12 @@ def test_background_saves_stage_with_dcp_where_torch_has_its_stager() -> None:
     else:
         assert isinstance(stager, _async._HostCopy)
     stager.close()
+
+
+@pytest.mark.gpu
+def test_the_copy_by_hand_moves_device_tensors_to_the_host() -> None:
+    weight = torch.arange(4.0, device="cuda")
+    staged = _async._HostCopy().stage({"model": {"w": weight, "tied": [weight]}})
+    weight.add_(100)
+    assert staged["model"]["w"].device.type == "cpu" and torch.equal(staged["model"]["w"], torch.arange(4.0))
+    assert staged["model"]["tied"][0] is staged["model"]["w"]

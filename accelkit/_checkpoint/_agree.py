@@ -3,7 +3,7 @@
 A step runs on every rank; then the ranks exchange success or failure (a small message, never
 the result), so that one rank's error never leaves the others waiting or goes on to a commit.
 A blocking save agrees through accelkit's collectives; a background save (``blocking=False``)
-through a gloo group of its own, so that it never interleaves with the training loop's _collectives.
+through a gloo group of its own, so that it never interleaves with the training loop's collectives.
 """
 
 import functools

@@ -46,13 +46,12 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from .. import _env, _state
+from .. import _env, _state, _tree
 from ..errors import CheckpointError
 from . import _save
 from ._agree import Agreement, exchange_on
@@ -145,26 +144,18 @@ class _HostCopy:
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         memo: dict[int, Any] = {}
-        for t in _tensors(state):
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
             if t.device.type != "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter) and id(t) not in memo:
                 memo[id(t)] = t.detach().to("cpu", copy=True)
+            return t
+
+        _tree.apply_to_tensors(to_host, state)  # the tensors in its dicts, lists and tuples
         staged: dict[str, Any] = copy.deepcopy(state, memo)
         return staged
 
     def close(self) -> None:
         pass
-
-
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``tree``'s dicts, lists and tuples."""
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
 
 
 def finish(call: str) -> None:
