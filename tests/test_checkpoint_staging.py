@@ -44,6 +44,7 @@ def test_background_saves_stage_with_dcp_where_torch_has_its_stager() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_copy_by_hand_moves_device_tensors_to_the_host() -> None:
     weight = torch.arange(4.0, device="cuda")
     staged = _async._HostCopy().stage({"model": {"w": weight, "tied": [weight]}})
