@@ -79,17 +79,16 @@ class Reduce:
                 message = torch.cat([*values, *_check.bits(call.token, dtype, st.device, logic)])
                 _exchange.all_reduce(message, self.wire)
                 verdict = _verdict_of_bits(st, message[n:], logic)
-                reduced, own = message[:n], False  # the results after the first are copied out of the message
+                # The first result is the message itself: its data at offset 0 of a fresh storage that holds
+                # nothing else a user can see (the token's bits after it); the others are copied out of it.
+                reduced, kept = message[:n], 1
             else:
                 reduced = torch.cat(values) if len(values) > 1 else values[0].clone()
                 _exchange.all_reduce(reduced, self.wire)
-                own = len(values) == 1  # the whole message is this leaf's result
+                kept = 1 if len(values) == 1 else 0  # the whole message is this leaf's result
             parts = [reduced] if len(values) == 1 else torch.split(reduced, [v.numel() for v in values])
             for k, (i, part) in enumerate(zip(members, parts, strict=True)):
-                # The first result may be the message itself: it begins at offset 0 of a fresh storage that
-                # holds nothing else a user can see (the token's bits after it).
-                fresh = own or (k == 0 and part.data_ptr() == message.data_ptr())
-                out[i] = _exchange.reduced(part if fresh else part.clone(), self.op, st.world_size, leaves[i])
+                out[i] = _exchange.reduced(part if k < kept else part.clone(), self.op, st.world_size, leaves[i])
         return out, verdict
 
 
@@ -109,7 +108,7 @@ class Gather:
         gathered = message.new_empty(world * message.numel())
         if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
             gathered.view(world, -1).copy_(message)
-        _exchange.all_gather(gathered, message, world)
+        _exchange.all_gather(gathered, message)
         width, at = message.numel(), message.numel() - HEADER
         if st.device.type == "cpu":
             verdict: Any = _check.headers_agree(gathered, world, width, at, mine)

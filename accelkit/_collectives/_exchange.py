@@ -80,7 +80,7 @@ def all_reduce(x: torch.Tensor, op: str) -> None:
     _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op])
 
 
-def all_gather(out: torch.Tensor, x: torch.Tensor, world: int, group: Any = None) -> None:
+def all_gather(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order (over ``group``)."""
     if x.is_complex():
         out, x = torch.view_as_real(out), torch.view_as_real(x)
@@ -138,12 +138,12 @@ def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
             mine = flat(x)
             result = mine.new_empty((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,))
             if mine.numel():
-                all_gather(result.view(-1), mine, world)
+                all_gather(result.view(-1), mine)
         else:  # moved as bytes
             mine = as_bytes(x)
             data = mine.new_empty(world * mine.numel())
             if mine.numel():
-                all_gather(data, mine, world)
+                all_gather(data, mine)
             result = from_bytes(data, x, world)
         out.append(result)
     return out
@@ -203,7 +203,7 @@ def gather_bytes(payload: bytes, device: torch.device, world: int, group: Any = 
     """Every rank's ``payload``, in rank order (one call when all fit in the first slot; over ``group``)."""
     first = _slot(payload, device)
     out = first.new_empty(world * _SLOT)
-    all_gather(out, first, world, group)
+    all_gather(out, first, group)
     rows = _split(_host_bytes(out), _SLOT)
     lengths = [int.from_bytes(r[:8], "little") for r in rows]
     rest = max(lengths) - (_SLOT - 8)
@@ -211,7 +211,7 @@ def gather_bytes(payload: bytes, device: torch.device, world: int, group: Any = 
         return [bytes(r[8 : 8 + n]) for r, n in zip(rows, lengths, strict=True)]
     tail = to_tensor(payload[_SLOT - 8 :].ljust(rest, b"\0"), device)
     out = tail.new_empty(world * rest)
-    all_gather(out, tail, world, group)
+    all_gather(out, tail, group)
     tails = _split(_host_bytes(out), rest)
     return [bytes((r[8:] + t)[:n]) for r, t, n in zip(rows, tails, lengths, strict=True)]
 
@@ -220,7 +220,7 @@ def gather_padded(payload: bytes, width: int, lengths: list[int], device: torch.
     """Every rank's ``payload`` (``lengths`` bytes each, agreed beforehand), padded to ``width`` in one all-gather."""
     mine = to_tensor(payload.ljust(width, b"\0"), device)
     out = mine.new_empty(world * width)
-    all_gather(out, mine, world)
+    all_gather(out, mine)
     data = _host_bytes(out)
     return [bytes(data[r * width : r * width + n]) for r, n in enumerate(lengths)]
 
