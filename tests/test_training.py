@@ -252,6 +252,27 @@ def test_fp16_overflow_skips_the_step_and_the_scheduler() -> None:
     assert sched.get_last_lr() == [0.5]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("private", [True, False], ids=["device-side", "public get_scale"])
+def test_a_skipped_fp16_step_is_told_alike_by_both_ways(
+    monkeypatch: pytest.MonkeyPatch, private: bool, fused: bool
+) -> None:
+    # Within the checked torch range the scaler's device-side flags tell a skipped step without a sync;
+    # outside it, the public get_scale() before and after the step: both must tell the same.
+    from accelkit import _torch_private
+
+    monkeypatch.setattr(_torch_private, "SCALER", private)
+    ak.init(precision="fp16", cpu=True)
+    model = nn.Sequential(nn.Linear(2, 1, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, fused=fused)
+    model, opt = ak.prepare(model, opt)
+    for x, skipped in ((math.inf, True), (1.0, False)):
+        ak.backward(model(torch.full((1, 2), x)).sum())
+        opt.step()
+        opt.zero_grad()
+        assert bool(opt.step_was_skipped) is skipped, (x, private, fused)
+
+
 def test_fp16_forward_runs_in_half_and_returns_fp32() -> None:
     model, _, _ = fp16_setup()
     seen = []

@@ -151,22 +151,23 @@ def comm_hook(given: Mapping[str, Any], options: Options) -> CommHook | None:
             f"{_CALL}({named}, comm_wrapper={wrapper!r}): comm_hook={hook!r} compresses already; a wrapper goes "
             f"around 'power_sgd', 'batched_power_sgd' or your own hook"
         )
-    if hook == "batched_power_sgd" and not _batched_power_sgd_runs():
-        import torch
+    if hook == "batched_power_sgd":
+        _refuse_broken_batched_power_sgd()
+    checked = _power_sgd_options(hook_options or {}) if hook in _POWER_SGD else {}
+    return CommHook(hook, wrapper, checked, state)
 
+
+def _refuse_broken_batched_power_sgd() -> None:
+    import torch
+
+    from .. import _torch_private
+
+    if not _torch_private.batched_power_sgd_runs():
         raise ConfigurationError(
             f"{_CALL}(comm_hook='batched_power_sgd'): PyTorch {torch.__version__}'s batched_powerSGD_hook fails as "
             f"soon as it compresses (it hands one matrix to a helper that now takes a batch of them: an "
             f"AssertionError in backward). Use comm_hook='power_sgd', which compresses each layer's gradient"
         )
-    checked = _power_sgd_options(hook_options or {}) if hook in _POWER_SGD else {}
-    return CommHook(hook, wrapper, checked, state)
-
-
-def _batched_power_sgd_runs() -> bool:
-    from .. import _torch_private
-
-    return _torch_private.batched_power_sgd_runs()
 
 
 def _power_sgd_options(given: Mapping[str, Any]) -> dict[str, Any]:
