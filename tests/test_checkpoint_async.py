@@ -271,7 +271,7 @@ def background_agreement_tensors(root: str) -> tuple[bool, list[Any]]:
     ak.save_state(f"{root}/a", blocking=False, model=ak.prepare(small_model(1.0)), step=1)
     ak.wait_for_checkpoint()
     group = _state.group.checkpoint_group
-    kept = [t for args in _exchange._KEPT for t in args if isinstance(t, torch.Tensor)]
+    kept = [t for calls in _exchange._KEPT.values() for args in calls for t in args if isinstance(t, torch.Tensor)]
     big = exchange_objects({"rank": ak.rank(), "pad": "x" * 5000 * (ak.rank() + 1)}, group)
     return bool(kept), [(b["rank"], len(b["pad"])) for b in big]
 

@@ -62,6 +62,14 @@ class Reduce:
 
     def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
         """One all-reduce per dtype; the token's bits after the first dtype's data."""
+        x = leaves[0]
+        if len(leaves) == 1 and x.dtype not in _exchange.WIDER and _exchange.plain(x):  # the common case, lean
+            n, logic = x.numel(), _check.logic(x.dtype, self.wire)
+            message = torch.cat([x.view(-1), *_check.bits(call.token, x.dtype, st.device, logic)])
+            work = _exchange.start_reduce(message, self.wire)
+            result, bits = message[:n], message[n:]  # views, made while the message travels
+            _exchange.wait(work)
+            return [_exchange.reduced(result, self.op, st.world_size, x)], _verdict_of_bits(st, bits, logic)
         if len(leaves) == 1:  # the common case, in as few tensor operations as it takes
             groups = {_exchange.WIDER.get(leaves[0].dtype, leaves[0].dtype): [0]}
         else:
@@ -104,12 +112,14 @@ class Gather:
         parts = [_exchange.as_bytes(x) for x in leaves]
         mine = call.sig.header(call.seq)
         header = _check.header_tensor(mine, st.device)
-        message = torch.cat([*parts, header])
-        gathered = message.new_empty(world * message.numel())
+        width = sum(p.numel() for p in parts) + HEADER
+        # The message sits after the ranks' messages in one fresh buffer: one allocation, not two.
+        buffer = torch.empty((world + 1) * width, dtype=torch.uint8, device=st.device)
+        gathered, message = buffer[: world * width], torch.cat([*parts, header], out=buffer[world * width :])
         if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
             gathered.view(world, -1).copy_(message)
         _exchange.all_gather(gathered, message)
-        width, at = message.numel(), message.numel() - HEADER
+        at = width - HEADER
         if st.device.type == "cpu":
             verdict: Any = _check.headers_agree(gathered, world, width, at, mine)
         else:
@@ -141,6 +151,17 @@ class Broadcast:
         the header and the later leaves' bytes, which are copied out): at any size, the copies raw code
         makes (the source's copy of its input, nothing on a receiver) and one backend call."""
         header = call.sig.header(call.seq)
+        x = leaves[0]
+        if len(leaves) == 1 and _exchange.plain(x):  # the common case, lean
+            n = x.numel() * x.element_size()
+            if st.rank == self.src:
+                message = torch.cat([_exchange.as_bytes(x), _check.header_tensor(header, st.device)])
+            else:
+                message = torch.empty(n + HEADER, dtype=torch.uint8, device=st.device)
+            work = _exchange.start_broadcast(message, self.src)
+            result = _exchange.from_bytes(message[:n], x)  # a view, made while the message travels
+            _exchange.wait(work)
+            return [result], self._verdict(st, message, n, header)
         sizes = [x.numel() * x.element_size() for x in leaves]
         at = sum(sizes)
         if st.rank == self.src:

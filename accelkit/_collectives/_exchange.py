@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+import threading
 from typing import Any
 
 import torch
@@ -40,12 +41,29 @@ class CommunicationError(Exception):
         self.cause = cause
 
 
-# The tensors of the last few backend calls, kept alive from Python. gloo's worker thread drops a finished
+# The tensors of each thread's last backend calls, kept alive from Python. gloo's worker thread drops a finished
 # call's tensors after the caller's wait returned, holding its queue's lock; if a tensor's last Python
 # reference was gone by then, dropping it needs the GIL. Were the group being destroyed on the main thread
 # at that moment (a DDP model freed after ak.end_training: ~ProcessGroupGloo takes that lock, holding the
-# GIL), both would wait for ever. Kept here, the worker never drops a tensor's Python object.
-_KEPT: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=8)
+# GIL), both would wait for ever. Kept here, the worker never drops a tensor's Python object. A collective
+# lets its thread's earlier calls' tensors go as it begins (:func:`release`), long after the worker finished
+# with them: a message is not held beyond the next collective (it would hold its memory, and a new message
+# would fault in fresh pages where raw code reuses the ones it just freed).
+_KEPT: dict[int, collections.deque[tuple[Any, ...]]] = {}
+
+
+def _keep(args: tuple[Any, ...]) -> None:
+    kept = _KEPT.get(threading.get_ident())
+    if kept is None:
+        kept = _KEPT[threading.get_ident()] = collections.deque(maxlen=4)
+    kept.append(args)
+
+
+def release() -> None:
+    """Let go of the tensors this thread's earlier backend calls kept (as a collective begins)."""
+    kept = _KEPT.get(threading.get_ident())
+    if kept:
+        kept.clear()
 
 
 def _wait(work: Any) -> None:
@@ -59,11 +77,12 @@ def _wait(work: Any) -> None:
         work.wait()
 
 
-def _run(fn: Any, *args: Any, **kwargs: Any) -> None:
-    """One synchronous torch.distributed call (``async_op=False``: the backend may run it on this thread)."""
-    _KEPT.append(args)
+def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """One torch.distributed call (``async_op=False``: the backend may run it on this thread; ``True``: its
+    work, for :func:`wait`)."""
+    _keep(args)
     try:
-        fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:
@@ -87,11 +106,16 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
     _run(_GATHER_SINGLE, out, x, group=group)  # every backend of torch >= 2.4 has it (gloo too)
 
 
+def plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a contiguous tensor without autograd history or lazy negation/conjugation (viewed as is)."""
+    return not x.requires_grad and x.is_contiguous() and not x.is_neg() and not x.is_conj()
+
+
 def flat(x: torch.Tensor) -> torch.Tensor:
     """``x``'s values as a contiguous 1-d tensor (a view when it already is one), without autograd history."""
     # detach: the backends refuse tensors that require grad; contiguous: reshape keeps a broadcast
     # (stride 0) view as it is, which cannot be viewed as bytes.
-    if not x.requires_grad and x.is_contiguous() and not x.is_neg() and not x.is_conj():
+    if plain(x):
         return x.view(-1)  # the common case, one call
     return (x.resolve_conj() if x.dtype in _COMPLEX else x).resolve_neg().detach().contiguous().view(-1)
 
@@ -237,7 +261,7 @@ def exchange_objects(obj: Any, group: Any) -> list[Any]:
     """Every rank's picklable ``obj`` over ``group``, in rank order: an unchecked all-gather on the host.
 
     For a gloo group of its own that one thread alone uses (a background checkpoint save's agreements);
-    its backend calls keep their tensors alive as the collectives' do (``_KEPT``), so that destroying the
+    its backend calls keep their tensors alive as the collectives' do (``_KEPT``, per thread), so that destroying the
     group later never waits on gloo's worker thread for the GIL.
     """
     world = dist.get_world_size(group)
@@ -280,17 +304,21 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
 
 def start_sum(x: torch.Tensor) -> Any:
     """Begin summing ``x`` in place over the ranks without waiting; :func:`wait` waits for it."""
-    _KEPT.append((x,))
-    try:
-        return dist.all_reduce(x, async_op=True)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:
-        raise CommunicationError(exc) from exc
+    return _run(dist.all_reduce, x, async_op=True)
+
+
+def start_reduce(x: torch.Tensor, op: str) -> Any:
+    """:func:`all_reduce`, begun: its work, for :func:`wait` (``x`` is not to be read before)."""
+    return _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op], async_op=True)
+
+
+def start_broadcast(x: torch.Tensor, src: int) -> Any:
+    """:func:`broadcast_tensor`, begun: its work, for :func:`wait`."""
+    return _run(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src, async_op=True)
 
 
 def wait(work: Any) -> None:
-    """Wait for work begun with :func:`start`."""
+    """Wait for work begun with :func:`start_sum`, :func:`start_reduce` or :func:`start_broadcast`."""
     try:
         _wait(work)
     except torch.OutOfMemoryError:

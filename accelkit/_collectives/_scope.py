@@ -43,6 +43,7 @@ class collective:
             _refuse_closed(self.st, group.closed)
         group.seq += 1
         call.seq, call.token = group.seq, _signature.token(sig, group.seq)
+        _exchange.release()
         group.now = Now(sig.op, group.seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
