@@ -114,10 +114,11 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
     leaves = call.data
     padded = [i for i, x in enumerate(leaves) if -x.dim() <= dim < x.dim()]
     dims = [dim % leaves[i].dim() for i in padded]
-    lengths = torch.tensor([leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)], dtype=torch.int64)
-    call.shapes, call.data = [(x.dtype, x.shape) for x in leaves], [lengths.to(st.device)]
-    everyone = _run(st, call, _checked.Gather(), _exchange.gather, call.data, st.world_size)[0]
-    sizes = everyone.view(st.world_size, -1).amax(0).tolist() if padded else []
+    lengths = [leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)]
+    call.shapes = [(x.dtype, x.shape) for x in leaves]
+    call.data = [torch.tensor(lengths, dtype=torch.int64, device=st.device)]
+    everyone = _run(st, call, _checked.Gather(), _exchange.gather, call.data, st.world_size)[0].tolist()
+    sizes = [max(everyone[i :: len(lengths)]) for i in range(len(lengths))]  # per leaf, over the ranks
     padded_leaves = _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first)
     grown = dict(zip(padded, padded_leaves, strict=True))
     out = [grown[i] if i in grown else _exchange.own(x) for i, x in enumerate(leaves)]

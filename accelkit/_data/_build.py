@@ -214,6 +214,9 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
         parts = _collectives.gather_object(data)
         items = [x for part in parts for x in (part if isinstance(part, (list, tuple)) else (part,))]
         return items[: size - cut] if cut and len(items) == size else items
+    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged):  # one tensor: no tree to build
+        everyone = _collectives.gather(data)
+        return everyone[: size - cut] if cut and everyone.shape[0] == size else everyone
     try:
         leaves, spec = _tree.flatten(data, "accelkit.gather_for_metrics")
     except TypeError as exc:
