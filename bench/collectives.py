@@ -24,7 +24,8 @@ than cores, so the absolute times grow; the ratio is what compares): µs per cal
 and the bytes each rank sends per call (``bytes/call`` rows: what the process wrote to its
 sockets, from ``/proc/self/io``) against raw.
 
-Run ``python bench/collectives.py [--quick] [--no-sweep]`` or through ``bench/run.py``.
+Run ``python bench/collectives.py [--quick] [--no-sweep] [--only=gather,reduce]`` or through ``bench/run.py``
+(``--only`` keeps the cases whose names begin so).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _accelerate() -> dict[str, Callable[[Any], Any]] | None:
     }
 
 
-def _cases(rank: int, with_accelerate: bool = True) -> list[Case]:
+def _cases(rank: int, only: tuple[str, ...] = (), with_accelerate: bool = True) -> list[Case]:
     import accelkit as ak
 
     theirs = _accelerate() if with_accelerate else None
@@ -136,16 +137,16 @@ def _cases(rank: int, with_accelerate: bool = True) -> list[Case]:
     for label in ("1e3", "1e6"):
         x = torch.randn(SIZES[label])
         cases.append((f"raw vs raw: gather {label} floats", _bind(_raw_gather, x), _bind(_raw_gather, x), None))
-    return cases
+    return [c for c in cases if not only or c[0].startswith(only)]
 
 
-def _measure(quick: bool) -> list[tuple[str, list[float], list[float], list[float]]]:
+def _measure(quick: bool, only: tuple[str, ...] = ()) -> list[tuple[str, list[float], list[float], list[float]]]:
     """In each worker: (name, accelkit µs per call, reference µs, Accelerate µs or []) per block."""
     import accelkit as ak
 
     rounds = 10 if quick else 200  # short paired blocks, many of them: the median ratio is stable
     results = []
-    for name, ours, ref, theirs in _cases(ak.rank()):
+    for name, ours, ref, theirs in _cases(ak.rank(), only):
         n_rounds, n_calls = (max(4, rounds // 5), 1) if "1e6" in name else (rounds, 2)
         fns = [ours, ref] if theirs is None else [ours, ref, theirs]
         for fn in fns * 2:  # warm-up
@@ -163,14 +164,14 @@ def _measure(quick: bool) -> list[tuple[str, list[float], list[float], list[floa
     return results
 
 
-def _added_cpu(quick: bool) -> list[tuple[str, list[float], list[float]]]:
+def _added_cpu(quick: bool, only: tuple[str, ...] = ()) -> list[tuple[str, list[float], list[float]]]:
     """In a child process: the cases on a fake 2-process group (no communication at all)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         results = []
-        for name, ours, ref, _ in _cases(0, with_accelerate=False):
+        for name, ours, ref, _ in _cases(0, only, with_accelerate=False):
             if "1e3" not in name and "dict" not in name:
                 continue  # the added time does not depend on the size
             samples: dict[int, list[float]] = {0: [], 1: []}
@@ -252,11 +253,17 @@ def sweep(quick: bool) -> list[Row]:
     return rows
 
 
+def _only(argv: list[str]) -> tuple[str, ...]:
+    """``--only=gather,reduce``: the name prefixes of the cases to run (all, without it)."""
+    return tuple(p for a in argv if a.startswith("--only=") for p in a.split("=", 1)[1].split(",") if p)
+
+
 def run(quick: bool) -> list[Row]:
     from accelkit.testing import WorkerPool
 
+    only = _only(sys.argv)
     with WorkerPool(2, task_timeout=900.0, debug=False) as pool:
-        per_rank = pool.run(_measure, quick)
+        per_rank = pool.run(_measure, quick, only)
     rows = []
     for name, ours, ref, theirs in per_rank[0]:  # rank 0's clock
         target = (TARGET_RATIO - 1) * statistics.median(ref)
@@ -265,7 +272,7 @@ def run(quick: bool) -> list[Row]:
             rows.append(paired_row(f"  Accelerate: {name}", theirs, ref, unit="us"))
     if "--no-sweep" not in sys.argv:
         rows += sweep(quick)
-    args = [sys.executable, __file__, "--added-cpu"] + (["--quick"] if quick else [])
+    args = [sys.executable, __file__, "--added-cpu"] + (["--quick"] if quick else []) + [f"--only={','.join(only)}"]
     _, out = run_child(args, child_env(ACCELKIT_CPU="1"), timeout=600)
     for name, ours, ref in json.loads(out.strip().splitlines()[-1]):
         rows.append(paired_row(f"added CPU: {name} (fake group)", ours, ref, unit="us"))
@@ -274,7 +281,7 @@ def run(quick: bool) -> list[Row]:
 
 def main(argv: list[str]) -> None:
     if "--added-cpu" in argv:
-        print(json.dumps(_added_cpu("--quick" in argv)))
+        print(json.dumps(_added_cpu("--quick" in argv, _only(argv))))
         return
     rows = sweep("--quick" in argv) if "--sweep" in argv else run("--quick" in argv)
     print(f"{'case':52} {'accelkit':>10} {'raw':>10} {'diff':>9} {'ratio':>7}")
