@@ -159,6 +159,11 @@ def kept_after_many_calls() -> list[list[int]]:
             call(torch.ones(100_000))
         kept = [t for calls in _exchange._KEPT.values() for args in calls for t in args if isinstance(t, torch.Tensor)]
         held.append(sorted(t.numel() for t in kept))
+    # A small gather's message is this thread's reused buffer: its results are copies, each with storage of its own.
+    first, second = ak.gather(torch.ones(1000)), ak.gather(torch.ones(1000))
+    buffers = {b.untyped_storage().data_ptr() for b in _exchange._SCRATCH.values()}
+    storages = {t.untyped_storage().data_ptr() for t in (first, second)}
+    held.append([len(buffers), len(storages), len(buffers | storages)])
     return held
 
 
@@ -167,10 +172,11 @@ def test_a_message_is_let_go_when_the_next_collective_begins(pool: WorkerPool) -
     # Each backend call's tensors are kept alive from Python (see _exchange._KEPT) until the next collective
     # begins: not the last eight calls' (800 kB each here, held for nothing), and a new message can reuse
     # the memory of the one before, as raw code's clone does, instead of faulting in fresh pages.
-    for reduced, broadcast, gathered in pool.run(kept_after_many_calls):
+    for reduced, broadcast, gathered, storages in pool.run(kept_after_many_calls):
         assert reduced == [100_064]  # the data and the token's 64 bits, one message
         assert broadcast == [400_064]  # bytes and a 64-byte header
-        assert gathered == [400_064, 800_128]  # this rank's message, every rank's
+        assert gathered == [400_064, 800_128]  # this rank's message, every rank's (views of one reused buffer)
+        assert storages == [1, 2, 3]  # one reused buffer; two results, each with storage of its own
 
 
 def unchecked() -> list[Any]:

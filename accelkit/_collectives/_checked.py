@@ -113,8 +113,8 @@ class Gather:
         mine = call.sig.header(call.seq)
         header = _check.header_tensor(mine, st.device)
         width = sum(p.numel() for p in parts) + HEADER
-        # The message sits after the ranks' messages in one fresh buffer: one allocation, not two.
-        buffer = torch.empty((world + 1) * width, dtype=torch.uint8, device=st.device)
+        # The message sits after the ranks' messages in one buffer (the results are copied out of it).
+        buffer = _exchange.scratch((world + 1) * width, st.device)
         gathered, message = buffer[: world * width], torch.cat([*parts, header], out=buffer[world * width :])
         if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
             gathered.view(world, -1).copy_(message)

@@ -66,6 +66,22 @@ def release() -> None:
         kept.clear()
 
 
+# Each thread's scratch buffer on the host, for messages that never reach the user (a small gather's: its
+# results are copied out): reused from call to call, as a fresh buffer would fault in its pages each time.
+_SCRATCH: dict[int, torch.Tensor] = {}
+SCRATCH_BYTES = 16 << 20  # larger messages get a buffer of their own
+
+
+def scratch(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of uint8 for a message whose bytes no result shares: on the host, this thread's reused buffer."""
+    if device.type != "cpu" or nbytes > SCRATCH_BYTES:
+        return torch.empty(nbytes, dtype=_BYTE, device=device)
+    buffer = _SCRATCH.get(threading.get_ident())
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _SCRATCH[threading.get_ident()] = torch.empty(nbytes, dtype=_BYTE)
+    return buffer[:nbytes]
+
+
 def _wait(work: Any) -> None:
     """Wait for ``work``, bounded by the group's timeout.
 
