@@ -65,7 +65,7 @@ class Reduce:
         x = leaves[0]
         if len(leaves) == 1 and x.dtype not in _exchange.WIDER and _exchange.plain(x):  # the common case, lean
             n, logic = x.numel(), _check.logic(x.dtype, self.wire)
-            message = torch.cat([x.view(-1), *_check.bits(call.token, x.dtype, st.device, logic)])
+            message = torch.cat([_exchange.flat(x), *_check.bits(call.token, x.dtype, st.device, logic)])
             work = _exchange.start_reduce(message, self.wire)
             result, bits = message[:n], message[n:]  # views, made while the message travels
             _exchange.wait(work)
@@ -114,8 +114,8 @@ class Gather:
         header = _check.header_tensor(mine, st.device)
         width = sum(p.numel() for p in parts) + HEADER
         # The message sits after the ranks' messages in one buffer (the results are copied out of it).
-        buffer = _exchange.scratch((world + 1) * width, st.device)
-        gathered, message = buffer[: world * width], torch.cat([*parts, header], out=buffer[world * width :])
+        gathered, message = _exchange.scratch((world + 1) * width, st.device).split_with_sizes([world * width, width])
+        torch.cat([*parts, header], out=message)
         if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
             gathered.view(world, -1).copy_(message)
         _exchange.all_gather(gathered, message)
@@ -127,9 +127,8 @@ class Gather:
         out, offset = [], 0
         for x, part in zip(leaves, parts, strict=True):
             n = part.numel()  # each rank's bytes of this leaf, copied out of every rank's message
-            out.append(
-                _exchange.from_bytes(_exchange.compact(gathered.as_strided((world, n), (width, 1), offset)), x, world)
-            )
+            rows = gathered.as_strided((world, n), (width, 1), offset).clone()
+            out.append(_exchange.from_bytes(rows, x, world))
             offset += n
         return out, verdict
 

@@ -128,11 +128,12 @@ def plain(x: torch.Tensor) -> bool:
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s values as a contiguous 1-d tensor (a view when it already is one), without autograd history."""
+    """``x``'s values as a contiguous 1-d tensor (``x`` itself or a view when it already is one, to be read only),
+    without autograd history."""
     # detach: the backends refuse tensors that require grad; contiguous: reshape keeps a broadcast
     # (stride 0) view as it is, which cannot be viewed as bytes.
     if plain(x):
-        return x.view(-1)  # the common case, one call
+        return x if x.dim() == 1 else x.view(-1)  # the common case: x itself, or one call
     return (x.resolve_conj() if x.dtype in _COMPLEX else x).resolve_neg().detach().contiguous().view(-1)
 
 
@@ -148,26 +149,23 @@ def own(x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def compact(x: torch.Tensor) -> torch.Tensor:
-    """A 1-d copy of ``x``'s values with storage of its own (``reshape`` may return a view)."""
-    return x.clone(memory_format=torch.contiguous_format).view(-1)
-
-
 def as_bytes(x: torch.Tensor) -> torch.Tensor:
     """``x``'s values as a 1-d uint8 tensor (a view when ``x`` is contiguous)."""
     if not x.numel():
         return torch.empty(0, dtype=_BYTE, device=x.device)
-    return flat(x) if x.dtype == _BYTE else flat(x).view(_BYTE)
+    values = flat(x)
+    return values if values.dtype == _BYTE else values.view(_BYTE)
 
 
 def from_bytes(data: torch.Tensor, like: torch.Tensor, rows: int = 0) -> torch.Tensor:
-    """A tensor shaped like ``like`` (``rows`` of them, concatenated along dim 0) from compact uint8 ``data``."""
+    """A tensor shaped like ``like`` (``rows`` of them, concatenated along dim 0) from contiguous uint8 ``data``
+    (1-d, or one row per rank)."""
     shape = tuple(like.shape) if not rows else (rows * like.shape[0], *like.shape[1:]) if like.dim() else (rows,)
     if not like.numel():
         return like.new_empty(shape)
     if like.dtype != _BYTE:
         data = data.view(like.dtype)
-    return data if len(shape) == 1 else data.view(shape)
+    return data if len(shape) == 1 and data.dim() == 1 else data.view(shape)
 
 
 def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
