@@ -67,7 +67,7 @@ class Reduce:
             n, logic = x.numel(), _check.logic(x.dtype, self.wire)
             message = torch.cat([_exchange.flat(x), *_check.bits(call.token, x.dtype, st.device, logic)])
             work = _exchange.start_reduce(message, self.wire)
-            result, bits = message[:n], message[n:]  # views, made while the message travels
+            result, bits = message.split_with_sizes([n, message.numel() - n])  # views, made while it travels
             _exchange.wait(work)
             return [_exchange.reduced(result, self.op, st.world_size, x)], _verdict_of_bits(st, bits, logic)
         if len(leaves) == 1:  # the common case, in as few tensor operations as it takes

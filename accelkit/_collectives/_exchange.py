@@ -79,7 +79,7 @@ def scratch(nbytes: int, device: torch.device) -> torch.Tensor:
     buffer = _SCRATCH.get(threading.get_ident())
     if buffer is None or buffer.numel() < nbytes:
         buffer = _SCRATCH[threading.get_ident()] = torch.empty(nbytes, dtype=_BYTE)
-    return buffer[:nbytes]
+    return buffer if buffer.numel() == nbytes else buffer[:nbytes]
 
 
 def _wait(work: Any) -> None:
