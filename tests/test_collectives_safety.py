@@ -10,6 +10,7 @@ only the backend call.
 from __future__ import annotations
 
 import faulthandler
+import threading
 from typing import Any
 
 import pytest
@@ -157,11 +158,12 @@ def kept_after_many_calls() -> list[list[int]]:
     for call in (ak.reduce, ak.broadcast, ak.gather):
         for _ in range(10):
             call(torch.ones(100_000))
-        kept = [t for calls in _exchange._KEPT.values() for args in calls for t in args if isinstance(t, torch.Tensor)]
+        mine = _exchange._KEPT[threading.get_ident()]  # other threads (a background save's) keep their own
+        kept = [t for args in mine for t in args if isinstance(t, torch.Tensor)]
         held.append(sorted(t.numel() for t in kept))
     # A small gather's message is this thread's reused buffer: its results are copies, each with storage of its own.
     first, second = ak.gather(torch.ones(1000)), ak.gather(torch.ones(1000))
-    buffers = {b.untyped_storage().data_ptr() for b in _exchange._SCRATCH.values()}
+    buffers = {_exchange._SCRATCH[threading.get_ident()].untyped_storage().data_ptr()}
     storages = {t.untyped_storage().data_ptr() for t in (first, second)}
     held.append([len(buffers), len(storages), len(buffers | storages)])
     return held
@@ -177,6 +179,19 @@ def test_a_message_is_let_go_when_the_next_collective_begins(pool: WorkerPool) -
         assert broadcast == [400_064]  # bytes and a 64-byte header
         assert gathered == [400_064, 800_128]  # this rank's message, every rank's (views of one reused buffer)
         assert storages == [1, 2, 3]  # one reused buffer; two results, each with storage of its own
+
+
+def test_what_is_kept_for_a_thread_that_ended_goes() -> None:
+    # A background save's thread keeps its last calls' tensors and ends; the next thread's first entry drops them.
+    from accelkit._collectives import _exchange
+
+    table: dict[int, Any] = {}
+    worker = threading.Thread(target=_exchange._mine, args=(table, list))
+    worker.start()
+    worker.join()
+    assert len(table) == 1 and threading.get_ident() not in table
+    _exchange._mine(table, list)
+    assert list(table) == [threading.get_ident()]
 
 
 def unchecked() -> list[Any]:

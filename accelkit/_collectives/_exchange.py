@@ -55,8 +55,17 @@ _KEPT: dict[int, collections.deque[tuple[Any, ...]]] = {}
 def _keep(args: tuple[Any, ...]) -> None:
     kept = _KEPT.get(threading.get_ident())
     if kept is None:
-        kept = _KEPT[threading.get_ident()] = collections.deque(maxlen=4)
+        kept = _mine(_KEPT, lambda: collections.deque(maxlen=4))
     kept.append(args)
+
+
+def _mine(table: dict[int, Any], make: Any) -> Any:
+    """This thread's entry in ``table``, made now; the entries of threads that ended go (a background save's)."""
+    alive = {t.ident for t in threading.enumerate()}
+    for ident in [i for i in table if i not in alive]:
+        table.pop(ident, None)
+    entry = table[threading.get_ident()] = make()
+    return entry
 
 
 def release() -> None:
@@ -78,7 +87,7 @@ def scratch(nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=_BYTE, device=device)
     buffer = _SCRATCH.get(threading.get_ident())
     if buffer is None or buffer.numel() < nbytes:
-        buffer = _SCRATCH[threading.get_ident()] = torch.empty(nbytes, dtype=_BYTE)
+        buffer = _mine(_SCRATCH, lambda: torch.empty(nbytes, dtype=_BYTE))
     return buffer if buffer.numel() == nbytes else buffer[:nbytes]
 
 
