@@ -13,6 +13,7 @@ optimizer's ``param_groups`` / ``state_dict()``, apply it first.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -154,6 +155,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return f"PreparedOptimizer({self.optimizer!r})"
 
 
+_PREPARED = itertools.count()  # schedulers prepared so far in this process
+
+
 class PreparedScheduler:
     """The user's LR scheduler, stepping once per real optimizer step.
 
@@ -172,6 +176,7 @@ class PreparedScheduler:
         self._read_later: Callable[[torch.Tensor], bool | Callable[[], bool]] = (
             hardware.read_later if hardware is not None else _read_now
         )
+        self._order = next(_PREPARED)  # check_schedules speaks of them in the order they were prepared
         _state.training.schedulers.add(self)  # ak.end_training checks its length (check_schedules)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -238,7 +243,7 @@ def check_schedules(world_size: int) -> None:
     """
     if world_size < 2:
         return
-    for prepared in list(_state.training.schedulers):
+    for prepared in sorted(_state.training.schedulers, key=lambda p: getattr(p, "_order", 0)):
         sched = prepared.scheduler
         done = int(getattr(sched, "last_epoch", 0))
         if done < 2:
