@@ -150,17 +150,6 @@ class Broadcast:
         the header and the later leaves' bytes, which are copied out): at any size, the copies raw code
         makes (the source's copy of its input, nothing on a receiver) and one backend call."""
         header = call.sig.header(call.seq)
-        x = leaves[0]
-        if len(leaves) == 1 and _exchange.plain(x):  # the common case, lean
-            n = x.numel() * x.element_size()
-            if st.rank == self.src:
-                message = torch.cat([_exchange.as_bytes(x), _check.header_tensor(header, st.device)])
-            else:
-                message = torch.empty(n + HEADER, dtype=torch.uint8, device=st.device)
-            work = _exchange.start_broadcast(message, self.src)
-            result = _exchange.from_bytes(message[:n], x)  # a view, made while the message travels
-            _exchange.wait(work)
-            return [result], self._verdict(st, message, n, header)
         sizes = [x.numel() * x.element_size() for x in leaves]
         at = sum(sizes)
         if st.rank == self.src:

@@ -335,13 +335,8 @@ def start_reduce(x: torch.Tensor, op: str) -> Any:
     return _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op], async_op=True)
 
 
-def start_broadcast(x: torch.Tensor, src: int) -> Any:
-    """:func:`broadcast_tensor`, begun: its work, for :func:`wait`."""
-    return _run(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src, async_op=True)
-
-
 def wait(work: Any) -> None:
-    """Wait for work begun with :func:`start_sum`, :func:`start_reduce` or :func:`start_broadcast`."""
+    """Wait for work begun with :func:`start_sum` or :func:`start_reduce`."""
     try:
         _wait(work)
     except torch.OutOfMemoryError:
