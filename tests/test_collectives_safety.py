@@ -115,6 +115,23 @@ def test_plans_that_calls_miss_or_change_give_the_right_results(pool: WorkerPool
     assert first == expected
 
 
+def float8_misses_and_pads() -> list[Any]:
+    f8 = torch.float8_e4m3fn
+    calls = [torch.zeros(n, dtype=torch.uint8).view(f8) for n in (0, 0, 0, 2)]  # the last misses its plan
+    out: list[Any] = [ak.gather(x).shape[0] for x in calls]
+    out.append(ak.pad_across_processes(torch.ones(1 + ak.rank()).to(f8)).float().tolist())
+    return out
+
+
+@pytest.mark.smoke
+@pytest.mark.distributed
+def test_a_float8_call_that_misses_its_plan_and_a_float8_pad(pool: WorkerPool) -> None:
+    # The planned message of a call that misses is zeros shaped like the plan's (here an empty float8 tensor),
+    # and a pad fills with pad_index: torch 2.4 cannot fill an empty float8 tensor, nor any on the CPU.
+    first, second = pool.run(float8_misses_and_pads)
+    assert first == [0, 0, 0, 4, [1.0, 0.0]] and second == [0, 0, 0, 4, [1.0, 1.0]]
+
+
 def replans_of_alternating_calls() -> int:
     """Runs of three broadcasts and three reductions, six times: how often every rank learned a call anew
     (a first call at a point, or a plan missed)."""

@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 _BYTE = torch.uint8
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
+_FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 # Dtypes that gloo and nccl cannot reduce, and the dtype they are reduced in (torch lacks some ops too).
 WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
-         torch.uint64: torch.int64} | {d: torch.float32 for d in (torch.float8_e4m3fn, torch.float8_e5m2)}  # fmt: skip
+         torch.uint64: torch.int64} | {d: torch.float32 for d in _FLOAT8}  # fmt: skip
 # Dtypes every backend moves natively; others move as bytes.
 _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}  # fmt: skip
@@ -240,7 +241,13 @@ def pad(
         if x.shape[d] == n:
             result.append(own(x))
             continue
-        out = x.new_full((*x.shape[:d], n, *x.shape[d + 1 :]), pad_index)
+        shape = (*x.shape[:d], n, *x.shape[d + 1 :])
+        # torch 2.4 cannot fill a float8 tensor on the CPU: filled in float32 there, then converted.
+        out = (
+            x.new_full(shape, pad_index)
+            if x.dtype not in _FLOAT8
+            else x.new_full(shape, pad_index, dtype=torch.float32).to(x.dtype)
+        )
         out.narrow(d, n - x.shape[d] if pad_first else 0, x.shape[d]).copy_(x)
         result.append(out)
     return result
