@@ -280,7 +280,7 @@ def _check_step(step: Step, seed: int) -> list[str]:
         out = ak.pad_across_processes(data, dim=step.arg)
         refs = [_raw_pad(t, step.arg) for t in _flat(data)]
     results = _flat(out)
-    inputs = {t.untyped_storage().data_ptr() for t in _flat(data) if t.numel()}
+    inputs = {t.untyped_storage().data_ptr() for t in _flat(data) if t.numel()} | _reused_buffers()
     seen: set[int] = set()
     for i, (got, ref) in enumerate(zip(results, refs, strict=True)):
         where = f"{step.op}({step.arg}) leaf {i} {ref.dtype} {list(ref.shape)}"
@@ -294,11 +294,23 @@ def _check_step(step: Step, seed: int) -> list[str]:
             problems.append(f"{where}: differs once pickled")
         ptr = got.untyped_storage().data_ptr()
         if got.numel() and (ptr in inputs or ptr in seen):
-            problems.append(f"{where}: shares storage with an input or another result")
+            problems.append(f"{where}: shares storage with an input, another result or a buffer accelkit reuses")
         seen.add(ptr)
     if not all(_same(a, b) for a, b in zip(_flat(data), pristine, strict=True)):  # (bytes: no float8 equal on 2.4)
         problems.append(f"{step.op}: an input was modified")
     return problems
+
+
+def _reused_buffers() -> set[int]:
+    """The storages of the buffers this thread's collectives reuse from call to call."""
+    import threading
+
+    from accelkit._collectives import _scratch
+
+    found = _scratch._BUFFERS.get(threading.get_ident())
+    if found is None:
+        return set()
+    return {found.tensor.untyped_storage().data_ptr(), found.heads[torch.uint8].untyped_storage().data_ptr()}
 
 
 def _program(steps: list[Step], seed: int) -> list[str]:

@@ -169,7 +169,7 @@ def test_a_point_followed_by_two_calls_plans_the_usual_one(pool: WorkerPool) -> 
 
 def kept_after_many_calls() -> list[list[int]]:
     """After many collectives of big tensors whose results are dropped: the messages the ranks still hold."""
-    from accelkit._collectives import _exchange
+    from accelkit._collectives import _exchange, _scratch
 
     held = []
     for call in (ak.reduce, ak.broadcast, ak.gather):
@@ -180,7 +180,7 @@ def kept_after_many_calls() -> list[list[int]]:
         held.append(sorted(t.numel() for t in kept))
     # A small gather's message is this thread's reused buffer: its results are copies, each with storage of its own.
     first, second = ak.gather(torch.ones(1000)), ak.gather(torch.ones(1000))
-    buffers = {_exchange._SCRATCH[threading.get_ident()].untyped_storage().data_ptr()}
+    buffers = {_scratch._BUFFERS[threading.get_ident()].tensor.untyped_storage().data_ptr()}
     storages = {t.untyped_storage().data_ptr() for t in (first, second)}
     held.append([len(buffers), len(storages), len(buffers | storages)])
     return held
@@ -193,21 +193,57 @@ def test_a_message_is_let_go_when_the_next_collective_begins(pool: WorkerPool) -
     # the memory of the one before, as raw code's clone does, instead of faulting in fresh pages.
     for reduced, broadcast, gathered, storages in pool.run(kept_after_many_calls):
         assert reduced == [100_064]  # the data and the token's 64 bits, one message
-        assert broadcast == [400_064]  # bytes and a 64-byte header
+        assert broadcast == [100_016]  # the data and a 64-byte header (16 floats), one message
         assert gathered == [400_064, 800_128]  # this rank's message, every rank's (views of one reused buffer)
         assert storages == [1, 2, 3]  # one reused buffer; two results, each with storage of its own
 
 
+def gathers_without_the_reused_buffer() -> list[Any]:
+    """The same gathers through this thread's reused buffer and without it (as on an accelerator, or for messages
+    beyond its limit), then a planned call that differs on one rank, without it."""
+    from accelkit import _tree
+    from accelkit._collectives import _scratch
+
+    r = ak.rank()
+    data = [
+        torch.arange(6.0).view(2, 3) + r,
+        torch.tensor(r, dtype=torch.int16),
+        {"a": torch.ones(3) * r, "b": torch.zeros(0)},
+    ]
+    lean = [ak.gather(d) for _ in range(3) for d in data]  # from the second round, each call rides in its plan
+    limit, _scratch.LIMIT = _scratch.LIMIT, 0
+    try:
+        alone = [ak.gather(d) for _ in range(3) for d in data]
+        try:
+            ak.gather(data[0] if r == 0 else data[0].double())
+            caught = "nothing"
+        except ak.DistributedOperationError as exc:
+            caught = str(exc)
+    finally:
+        _scratch.LIMIT = limit
+    same = [all(torch.equal(a, b) for a, b in zip(_tree.flatten(x, "")[0], _tree.flatten(y, "")[0], strict=True))
+            for x, y in zip(lean, alone, strict=True)]  # fmt: skip
+    return [same, [t.tolist() for t in lean[3:5]], caught]
+
+
+@pytest.mark.distributed
+def test_a_gather_without_the_reused_buffer_is_the_same_gather(pool: WorkerPool) -> None:
+    for same, values, caught in pool.run(gathers_without_the_reused_buffer):
+        assert same == [True] * 9
+        assert values == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], [0, 1]]
+        assert "float64" in caught and "float32" in caught
+
+
 def test_what_is_kept_for_a_thread_that_ended_goes() -> None:
     # A background save's thread keeps its last calls' tensors and ends; the next thread's first entry drops them.
-    from accelkit._collectives import _exchange
+    from accelkit._collectives import _scratch
 
     table: dict[int, Any] = {}
-    worker = threading.Thread(target=_exchange._mine, args=(table, list))
+    worker = threading.Thread(target=_scratch.mine, args=(table, list))
     worker.start()
     worker.join()
     assert len(table) == 1 and threading.get_ident() not in table
-    _exchange._mine(table, list)
+    _scratch.mine(table, list)
     assert list(table) == [threading.get_ident()]
 
 

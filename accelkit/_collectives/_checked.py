@@ -22,7 +22,7 @@ import torch
 
 from .. import _state, _tree
 from .._state import ProcessState
-from . import _check, _exchange, _mismatch, _plan
+from . import _check, _exchange, _mismatch, _plan, _scratch
 from ._signature import AGREE, HEADER, Signature, token
 
 __all__ = ["Broadcast", "Call", "Gather", "Reduce", "barrier", "run", "settle"]
@@ -109,15 +109,16 @@ class Gather:
     def tail(self, st: ProcessState, leaves: list[torch.Tensor], call: Call) -> tuple[list[torch.Tensor], Any]:
         """One all-gather of every leaf's bytes and the header, per rank."""
         world = st.world_size
-        parts = [_exchange.as_bytes(x) for x in leaves]
         mine = call.sig.header(call.seq)
+        if st.device.type == "cpu":
+            found = _scratch.buffer((world + 1) * (sum(x.nbytes for x in leaves) + 16 * len(leaves) + 2 * HEADER))
+            if found is not None:
+                return self._lean(st, leaves, mine, found)
+        parts = [_exchange.as_bytes(x) for x in leaves]
         header = _check.header_tensor(mine, st.device)
         width = sum(p.numel() for p in parts) + HEADER
-        # The message sits after the ranks' messages in one buffer (the results are copied out of it).
-        gathered, message = _exchange.scratch((world + 1) * width, st.device).split_with_sizes([world * width, width])
-        torch.cat([*parts, header], out=message)
-        if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
-            gathered.view(world, -1).copy_(message)
+        message = torch.cat([*parts, header])
+        gathered = message.new_empty(world * width)
         _exchange.all_gather(gathered, message)
         at = width - HEADER
         if st.device.type == "cpu":
@@ -130,6 +131,29 @@ class Gather:
             rows = gathered.as_strided((world, n), (width, 1), offset).clone()
             out.append(_exchange.from_bytes(rows, x, world))
             offset += n
+        return out, verdict
+
+    @staticmethod
+    def _lean(
+        st: ProcessState, leaves: list[torch.Tensor], mine: bytes, found: _scratch.Buffer
+    ) -> tuple[list[torch.Tensor], Any]:
+        """The gather through this thread's buffer: the leaves copied in, the header written and read as bytes,
+        each result one concatenation of every rank's values."""
+        world, raw = st.world_size, found.raw
+        layout = found.gather_layout(world, tuple((x.dtype, x.shape) for x in leaves), HEADER)
+        for into, x in zip(layout.inputs, leaves, strict=True):
+            if into is not None:
+                into.copy_(x.detach() if x.requires_grad else x)
+        raw[layout.header : layout.header + HEADER] = mine
+        if st.backend == "fake":  # torch's fake group moves nothing: as if every rank sent this
+            start = world * layout.width
+            for r in range(world):
+                raw[r * layout.width : (r + 1) * layout.width] = raw[start : start + layout.width]
+        _exchange.all_gather(layout.gathered, layout.message)
+        agreed = mine[:AGREE]
+        verdict = all(raw[at : at + AGREE] == agreed for at in layout.headers)
+        out = [torch.cat(rows) if rows is not None else _exchange.from_bytes(x, x, world)  # (empty: a new one)
+               for x, rows in zip(leaves, layout.rows, strict=True)]  # fmt: skip
         return out, verdict
 
 
@@ -150,6 +174,8 @@ class Broadcast:
         the header and the later leaves' bytes, which are copied out): at any size, the copies raw code
         makes (the source's copy of its input, nothing on a receiver) and one backend call."""
         header = call.sig.header(call.seq)
+        if len(leaves) == 1 and st.device.type == "cpu" and leaves[0].numel():
+            return self._lean(st, leaves[0], header)
         sizes = [x.numel() * x.element_size() for x in leaves]
         at = sum(sizes)
         if st.rank == self.src:
@@ -164,6 +190,27 @@ class Broadcast:
             out.append(_exchange.from_bytes(part if offset == 0 else part.clone(), x))
             offset += n
         return out, self._verdict(st, message, at, header)
+
+    def _lean(self, st: ProcessState, x: torch.Tensor, header: bytes) -> tuple[list[torch.Tensor], Any]:
+        """One tensor on the host, in as few tensor operations as it takes: the message in its dtype, the header
+        its last 64 bytes, written (the source) or read (a receiver) as bytes through this thread's buffer."""
+        found = _scratch.head()
+        as_is = x.dtype in _exchange.NATIVE and x.dtype != torch.bool  # else as bytes: a header's bytes are no bools
+        head = found.head(x.dtype if as_is else torch.uint8)
+        n = x.numel() if as_is else x.nbytes
+        if st.rank == self.src:
+            found.head_raw[:] = header
+            message = torch.cat([_exchange.flat(x) if as_is else _exchange.as_bytes(x), head])
+        else:
+            message = head.new_empty(n + head.numel())
+        _exchange.broadcast_tensor(message, self.src)
+        result, tail = message.split_with_sizes([n, head.numel()])
+        out = _exchange.from_bytes(result, x) if not as_is else result if x.dim() == 1 else result.view(x.shape)
+        if st.rank == self.src:
+            return [out], True
+        head.copy_(tail)
+        self.theirs = bytes(found.head_raw)
+        return [out], self.theirs[:AGREE] == header[:AGREE]
 
     def _verdict(self, st: ProcessState, message: torch.Tensor, at: int, header: bytes) -> Any:
         """Whether the source's header (at ``at`` in ``message``) is this rank's (the source: True)."""

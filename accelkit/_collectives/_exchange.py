@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _scratch
+
 _BYTE = torch.uint8
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -25,7 +27,7 @@ _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
          torch.uint64: torch.int64} | {d: torch.float32 for d in _FLOAT8}  # fmt: skip
 # Dtypes every backend moves natively; others move as bytes.
-_NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128}  # fmt: skip
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
@@ -56,17 +58,8 @@ _KEPT: dict[int, collections.deque[tuple[Any, ...]]] = {}
 def _keep(args: tuple[Any, ...]) -> None:
     kept = _KEPT.get(threading.get_ident())
     if kept is None:
-        kept = _mine(_KEPT, lambda: collections.deque(maxlen=4))
+        kept = _scratch.mine(_KEPT, lambda: collections.deque(maxlen=4))
     kept.append(args)
-
-
-def _mine(table: dict[int, Any], make: Any) -> Any:
-    """This thread's entry in ``table``, made now; the entries of threads that ended go (a background save's)."""
-    alive = {t.ident for t in threading.enumerate()}
-    for ident in [i for i in table if i not in alive]:
-        table.pop(ident, None)
-    entry = table[threading.get_ident()] = make()
-    return entry
 
 
 def release() -> None:
@@ -74,22 +67,6 @@ def release() -> None:
     kept = _KEPT.get(threading.get_ident())
     if kept:
         kept.clear()
-
-
-# Each thread's scratch buffer on the host, for messages that never reach the user (a small gather's: its
-# results are copied out): reused from call to call, as a fresh buffer would fault in its pages each time.
-_SCRATCH: dict[int, torch.Tensor] = {}
-SCRATCH_BYTES = 16 << 20  # larger messages get a buffer of their own
-
-
-def scratch(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``nbytes`` of uint8 for a message whose bytes no result shares: on the host, this thread's reused buffer."""
-    if device.type != "cpu" or nbytes > SCRATCH_BYTES:
-        return torch.empty(nbytes, dtype=_BYTE, device=device)
-    buffer = _SCRATCH.get(threading.get_ident())
-    if buffer is None or buffer.numel() < nbytes:
-        buffer = _mine(_SCRATCH, lambda: torch.empty(nbytes, dtype=_BYTE))
-    return buffer if buffer.numel() == nbytes else buffer[:nbytes]
 
 
 def _wait(work: Any) -> None:
@@ -182,7 +159,7 @@ def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
     """Every rank's leaves, each concatenated along dim 0 in rank order (one all-gather per leaf)."""
     out = []
     for x in leaves:
-        if x.dtype in _NATIVE:
+        if x.dtype in NATIVE:
             mine = flat(x)
             result = mine.new_empty((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,))
             if mine.numel():
