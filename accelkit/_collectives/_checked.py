@@ -66,9 +66,8 @@ class Reduce:
         if len(leaves) == 1 and x.dtype not in _exchange.WIDER and _exchange.plain(x):  # the common case, lean
             n, logic = x.numel(), _check.logic(x.dtype, self.wire)
             message = torch.cat([_exchange.flat(x), *_check.bits(call.token, x.dtype, st.device, logic)])
-            work = _exchange.start_reduce(message, self.wire)
-            result, bits = message.split_with_sizes([n, message.numel() - n])  # views, made while it travels
-            _exchange.wait(work)
+            _exchange.all_reduce(message, self.wire)
+            result, bits = message.split_with_sizes([n, message.numel() - n])
             return [_exchange.reduced(result, self.op, st.world_size, x)], _verdict_of_bits(st, bits, logic)
         if len(leaves) == 1:  # the common case, in as few tensor operations as it takes
             groups = {_exchange.WIDER.get(leaves[0].dtype, leaves[0].dtype): [0]}

@@ -314,13 +314,8 @@ def start_sum(x: torch.Tensor) -> Any:
     return _run(dist.all_reduce, x, async_op=True)
 
 
-def start_reduce(x: torch.Tensor, op: str) -> Any:
-    """:func:`all_reduce`, begun: its work, for :func:`wait` (``x`` is not to be read before)."""
-    return _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op], async_op=True)
-
-
 def wait(work: Any) -> None:
-    """Wait for work begun with :func:`start_sum` or :func:`start_reduce`."""
+    """Wait for work begun with :func:`start_sum`."""
     try:
         _wait(work)
     except torch.OutOfMemoryError:
