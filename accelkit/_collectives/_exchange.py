@@ -155,6 +155,14 @@ def from_bytes(data: torch.Tensor, like: torch.Tensor, rows: int = 0) -> torch.T
     return data if len(shape) == 1 and data.dim() == 1 else data.view(shape)
 
 
+def full(shape: Any, value: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.full`` of any dtype: torch 2.4 cannot fill a float8 tensor on the CPU (nor an empty one with
+    ``zeros``), so float8 is filled in float32, then converted."""
+    if dtype in _FLOAT8:
+        return torch.full(shape, value, dtype=torch.float32, device=device).to(dtype)
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
 def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
     """Every rank's leaves, each concatenated along dim 0 in rank order (one all-gather per leaf)."""
     out = []
@@ -218,13 +226,7 @@ def pad(
         if x.shape[d] == n:
             result.append(own(x))
             continue
-        shape = (*x.shape[:d], n, *x.shape[d + 1 :])
-        # torch 2.4 cannot fill a float8 tensor on the CPU: filled in float32 there, then converted.
-        out = (
-            x.new_full(shape, pad_index)
-            if x.dtype not in _FLOAT8
-            else x.new_full(shape, pad_index, dtype=torch.float32).to(x.dtype)
-        )
+        out = full((*x.shape[:d], n, *x.shape[d + 1 :]), pad_index, x.dtype, x.device)
         out.narrow(d, n - x.shape[d] if pad_first else 0, x.shape[d]).copy_(x)
         result.append(out)
     return result

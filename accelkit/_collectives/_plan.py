@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _check
-from ._exchange import WIDER
+from ._exchange import WIDER, full
 
 __all__ = ["Plan", "Point", "learn"]
 
@@ -48,10 +48,8 @@ class Plan(NamedTuple):
     tail: bool  # the token rides in the data message (else: a check beside it)
 
     def dummies(self, device: torch.device) -> list[torch.Tensor]:
-        """Zeros shaped like the planned data: what a rank whose call differs sends (made as bytes: torch 2.4 cannot
-        fill an empty float8 tensor)."""
-        return [torch.zeros(shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device).view(dtype).view(shape)
-                for dtype, shape in self.shapes]  # fmt: skip
+        """Zeros shaped like the planned data: what a rank whose call differs sends."""
+        return [full(shape, 0, dtype, device) for dtype, shape in self.shapes]
 
 
 class Point:

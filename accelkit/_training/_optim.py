@@ -243,7 +243,7 @@ def check_schedules(world_size: int) -> None:
     """
     if world_size < 2:
         return
-    for prepared in sorted(_state.training.schedulers, key=lambda p: getattr(p, "_order", 0)):
+    for prepared in sorted(_state.training.schedulers, key=lambda p: p._order):
         sched = prepared.scheduler
         done = int(getattr(sched, "last_epoch", 0))
         if done < 2:
