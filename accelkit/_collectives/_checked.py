@@ -110,9 +110,9 @@ class Gather:
         world = st.world_size
         mine = call.sig.header(call.seq)
         if st.device.type == "cpu":
-            found = _scratch.buffer((world + 1) * (sum(x.nbytes for x in leaves) + 16 * len(leaves) + 2 * HEADER))
+            found = _scratch.gather(world, tuple((x.dtype, x.shape) for x in leaves), HEADER)
             if found is not None:
-                return self._lean(st, leaves, mine, found)
+                return self._lean(st, leaves, mine, *found)
         parts = [_exchange.as_bytes(x) for x in leaves]
         header = _check.header_tensor(mine, st.device)
         width = sum(p.numel() for p in parts) + HEADER
@@ -134,12 +134,11 @@ class Gather:
 
     @staticmethod
     def _lean(
-        st: ProcessState, leaves: list[torch.Tensor], mine: bytes, found: _scratch.Buffer
+        st: ProcessState, leaves: list[torch.Tensor], mine: bytes, found: _scratch.Buffer, layout: _scratch.GatherLayout
     ) -> tuple[list[torch.Tensor], Any]:
         """The gather through this thread's buffer: the leaves copied in, the header written and read as bytes,
         each result one concatenation of every rank's values."""
         world, raw = st.world_size, found.raw
-        layout = found.gather_layout(world, tuple((x.dtype, x.shape) for x in leaves), HEADER)
         for into, x in zip(layout.inputs, leaves, strict=True):
             if into is not None:
                 into.copy_(x.detach() if x.requires_grad else x)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LIMIT", "Buffer", "GatherLayout", "buffer", "head", "mine"]
+__all__ = ["LIMIT", "Buffer", "GatherLayout", "gather", "head", "mine"]
 
 LIMIT = 16 << 20  # bytes
 _FIRST = 64 << 10  # a thread's first buffer: grown as needed
@@ -71,20 +71,10 @@ class Buffer:
         return found
 
     def gather_layout(self, world: int, shapes: Shapes, header_bytes: int) -> GatherLayout:
-        """The layout of a gather of ``shapes`` over ``world`` ranks, with a header of ``header_bytes``."""
-        key = (world, shapes)
-        layout = self.layouts.get(key)
-        if layout is None:
-            if len(self.layouts) >= _LAYOUTS:
-                self.layouts.clear()
-            layout = self.layouts[key] = self._gather_layout(world, shapes, header_bytes)
-        return layout
-
-    def _gather_layout(self, world: int, shapes: Shapes, header_bytes: int) -> GatherLayout:
-        offsets, at = [], 0
-        for dtype, shape in shapes:
-            offsets.append(at)
-            at = _aligned(at + shape.numel() * dtype.itemsize)
+        """A new layout of a gather of ``shapes`` over ``world`` ranks (the buffer holds it), remembered."""
+        if len(self.layouts) >= _LAYOUTS:
+            self.layouts.clear()
+        offsets, at = _offsets(shapes)
         width = _aligned(at + header_bytes)
         gathered, message = self.tensor[: world * width], self.tensor[world * width : (world + 1) * width]
         inputs: list[torch.Tensor | None] = []
@@ -100,17 +90,26 @@ class Buffer:
             rows.append([gathered[r * width + offset : r * width + offset + nbytes].view(dtype).view(row)
                          for r in range(world)])  # fmt: skip
         headers = [r * width + at for r in range(world)]
-        return GatherLayout(gathered, message, inputs, rows, world * width + at, headers, width)
+        layout = self.layouts[world, shapes] = GatherLayout(gathered, message, inputs, rows, world * width + at,
+                                                            headers, width)  # fmt: skip
+        return layout
 
 
 _BUFFERS: dict[int, Buffer] = {}
 
 
-def buffer(nbytes: int) -> Buffer | None:
-    """This thread's buffer, of at least ``nbytes`` (None beyond :data:`LIMIT`: a message of its own)."""
-    if nbytes > LIMIT:
+def gather(world: int, shapes: Shapes, header_bytes: int) -> tuple[Buffer, GatherLayout] | None:
+    """This thread's buffer and the layout in it of a gather of ``shapes`` over ``world`` ranks, with a header
+    of ``header_bytes`` after each rank's data (None beyond :data:`LIMIT` bytes: a message of its own)."""
+    found = _BUFFERS.get(threading.get_ident())
+    layout = found.layouts.get((world, shapes)) if found is not None else None
+    width = layout.width if layout is not None else _aligned(_offsets(shapes)[1] + header_bytes)
+    if (world + 1) * width > LIMIT:
         return None
-    return _at_least(nbytes)
+    if found is None or layout is None:
+        found = _at_least((world + 1) * width)
+        layout = found.gather_layout(world, shapes, header_bytes)
+    return found, layout
 
 
 def head() -> Buffer:
@@ -124,6 +123,15 @@ def _at_least(nbytes: int) -> Buffer:
         size = max(nbytes, _FIRST, 2 * len(found.raw) if found is not None else 0)
         found = mine(_BUFFERS, lambda: Buffer(min(size, LIMIT)))
     return found
+
+
+def _offsets(shapes: Shapes) -> tuple[list[int], int]:
+    """Where each leaf's bytes begin in a rank's message, and where they end (each at a multiple of 16)."""
+    offsets, at = [], 0
+    for dtype, shape in shapes:
+        offsets.append(at)
+        at = _aligned(at + shape.numel() * dtype.itemsize)
+    return offsets, at
 
 
 def _aligned(n: int) -> int:
