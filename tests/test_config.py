@@ -179,11 +179,55 @@ def test_without_a_config_file_yaml_is_not_imported(tmp_path: Path) -> None:
         assert done.stdout.split() == ["None", "False"]
 
 
-def test_missing_pyyaml_names_the_install_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_pyyaml_names_the_file_and_the_install_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _file(tmp_path, "debug: true\n")
-    monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
-    with pytest.raises(ImportError, match=r'pip install "accelkit\[yaml\]"'):
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed (a broken install)
+    with pytest.raises(ConfigurationError, match=rf"reading the config file {path} needs PyYAML.*pip install pyyaml"):
         _config.load_config(path)
+
+
+def test_pyyaml_is_a_dependency() -> None:
+    """A config file written in one environment is read in every other: PyYAML comes with accelkit."""
+    from importlib.metadata import requires
+
+    assert any(r.split(">")[0].strip().lower() == "pyyaml" and "extra" not in r for r in requires("accelkit") or [])
+
+
+UNREADABLE = {
+    "no PyYAML": ("num_processes: 2\n", "needs PyYAML, which is not installed here"),
+    "bad syntax": ("num_processes: 2\nprecision: [bf16\n", ":3: not valid YAML"),
+    "unknown key": ("num_processes: 2\nprecisoin: bf16\n", ":2: precisoin: unknown key; did you mean 'precision'?"),
+}
+COMMANDS = {
+    "python train.py": ["train.py"],
+    "accelkit launch": ["-m", "accelkit", "launch", "--num-processes", "1", "train.py"],
+    "accelkit env": ["-m", "accelkit", "env"],
+    "accelkit test": ["-m", "accelkit", "test"],
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_default_config_that_cannot_be_read_names_itself(tmp_path: Path, case: str, command: str) -> None:
+    """The default file (written by `accelkit config`, maybe in another environment) stops every entry point
+    with an error naming it, where it came from and the fix; `accelkit env` reports it."""
+    text, problem = UNREADABLE[case]
+    config = tmp_path / "home" / "accelkit" / "default_config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text(text)
+    (tmp_path / "train.py").write_text("import accelkit as ak\nprint(ak.state().world_size)\n")
+    env = _subprocess_env(XDG_CONFIG_HOME=str(tmp_path / "home"), ACCELKIT_CPU="1")
+    del env["ACCELKIT_CONFIG_FILE"]  # the default path is read
+    if case == "no PyYAML":  # a module named yaml that cannot be imported, first on the path
+        (tmp_path / "hidden").mkdir()
+        (tmp_path / "hidden" / "yaml.py").write_text("raise ImportError('No module named yaml')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hidden"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, *COMMANDS[command]], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    said = done.stdout + done.stderr
+    assert (done.returncode == 0) == (command == "accelkit env"), said  # env reports it, and goes on
+    assert f"{config}" in said and problem in said, said
+    assert "This is the default config file, written by `accelkit config`" in said, said
 
 
 # --- Accelerate's config.yaml -------------------------------------------------------------------

@@ -19,7 +19,7 @@ from ..errors import ConfigurationError
 from ._fields import FILE_NAMES, LAUNCH_KEYS, NO_ALIAS, Fields
 
 Kind = Literal["accelkit", "accelerate"]
-_INSTALL = 'pip install "accelkit[yaml]"'
+_INSTALL = "pip install pyyaml"
 _LAUNCH_NAMES = {file: name for name, file in FILE_NAMES.items()}  # file key -> launch setting
 # Keys only an Accelerate config has.
 _ACCELERATE_MARKERS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "machine_rank"}
@@ -69,6 +69,7 @@ def config_path(explicit: str | os.PathLike[str] | None = None) -> Path | None:
 
 
 def _existing(path: Path, given_by: str) -> Path:
+    path = path.absolute()  # messages name the file wherever they are read
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigurationError(
@@ -79,9 +80,22 @@ def _existing(path: Path, given_by: str) -> Path:
 
 
 def config_in_effect(explicit: str | os.PathLike[str] | None = None) -> ConfigFile | None:
-    """The config file in effect (``explicit``, else see :func:`config_path`), read and validated; None without one."""
+    """The config file in effect (``explicit``, else see :func:`config_path`), read and validated; None without one.
+
+    A problem with the default file (one a user may not remember, written by ``accelkit config``) says so.
+    """
     path = config_path(explicit)
-    return load_config(path) if path is not None else None
+    if path is None:
+        return None
+    try:
+        return load_config(path)
+    except ConfigurationError as err:
+        if explicit is None and os.environ.get(_env.CONFIG_FILE) is None:
+            raise ConfigurationError(
+                f"{err}\n(This is the default config file, written by `accelkit config`, and read by every run: fix "
+                f"it, rewrite it with `accelkit config default --force`, or read none with {_env.CONFIG_FILE}=)"
+            ) from None
+        raise
 
 
 def load_config(path: str | os.PathLike[str]) -> ConfigFile:
@@ -121,12 +135,13 @@ def write_config(
     return file
 
 
-def yaml_module() -> Any:
-    """PyYAML, or an ImportError giving the install line."""
+def yaml_module(path: Path | None = None) -> Any:
+    """PyYAML (a dependency of accelkit: missing only from a broken install), or an error naming ``path``."""
     try:
         import yaml  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
-        raise ImportError(f"reading or writing accelkit config files needs PyYAML: {_INSTALL}") from None
+        what = f"reading the config file {path}" if path is not None else "writing accelkit config files"
+        raise ConfigurationError(f"{what} needs PyYAML, which is not installed here: {_INSTALL}") from None
     return yaml
 
 
@@ -134,7 +149,7 @@ def yaml_module() -> Any:
 
 
 def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    yaml = yaml_module()
+    yaml = yaml_module(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
