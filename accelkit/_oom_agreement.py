@@ -19,8 +19,6 @@ import torch.distributed as dist
 from . import _env, _state
 from ._group import destroy
 
-# How a collective fails when a peer went away or never came.
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
 _GRACE = 60.0  # seconds beyond the collective timeout that ranks wait for each other after an attempt
 _KEYS = ("size", "failures", "arrived", "done")
 
@@ -53,11 +51,13 @@ class Team:
         st = _state.get() if many else None
         if st is None or not st.distributed:
             return None
-        from . import _torch_private
+        store = _state.group.job_store  # the group accelkit formed: the store it formed it on
+        if store is None:  # a group the user formed: torch knows its store
+            from . import _torch_private
 
-        store = _torch_private.default_store()
-        while isinstance(store, dist.PrefixStore):  # type: ignore[attr-defined]
-            store = store.underlying_store
+            store = _torch_private.default_store()
+            while isinstance(store, dist.PrefixStore):  # type: ignore[attr-defined]
+                store = store.underlying_store
         return cls(st, store)
 
     def report(self, batch_size: int, kind: str, failure: BaseException | None) -> None:
@@ -128,10 +128,9 @@ class Team:
 
 def is_lost_peer(exc: BaseException) -> bool:
     """Whether a collective failed because a peer broke the group (or never came)."""
-    return any(
-        isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in _LOST_PEER))
-        for e in _chain(exc)
-    )
+    from ._rundir import lost_peer
+
+    return lost_peer(exc) or any(isinstance(e, dist.DistError) for e in _chain(exc))
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:

@@ -33,9 +33,12 @@ NAMES = {
     "accessor",
     "torch._dynamo.eval_frame.OptimizedModule": "recognising a torch.compile'd model, only once dynamo is imported",
     "distributed_c10d._get_default_store": "find_executable_batch_size's agreement over a group the user formed "
-    "(accelkit did not make its store)",
+    "(accelkit did not make its store; a group accelkit formed uses the store it formed it on)",
     "DistributedDataParallel.reducer/logger/process_group": "dropped when a prepared model is released: left to "
     "interpreter exit they keep a destroyed gloo group's threads alive (SIGABRT)",
+    "DistributedDataParallel.require_backward_grad_sync": "read, never written: whether a prepared DDP model's "
+    "backward all-reduces now (its own no_sync() turns it off), for the heartbeat's proof that a rank waits for "
+    "every other; DDP has no public getter",
     "powerSGD_hook._orthogonalize": "probing whether torch's batched PowerSGD hook can run (it fails in backward "
     "on torch versions whose helper wants a batch)",
     "_get_layout of torch's serialization module": "named, not used: a pickled layout (in DCP metadata) is a call "
@@ -109,6 +112,11 @@ def release_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
     for name in ("reducer", "logger", "process_group"):
         if name in vars(ddp):
             setattr(ddp, name, None)
+
+
+def ddp_syncs(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``ddp``'s next backward all-reduces its gradients (False inside its ``no_sync()``)."""
+    return bool(getattr(ddp, "require_backward_grad_sync", False))  # not known: no proof
 
 
 def batched_power_sgd_runs() -> bool:

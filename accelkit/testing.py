@@ -32,8 +32,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from . import _env, _frames, _state
-from ._launcher import check_picklable, exception_name, free_port, lost_peer, run_workers
+from ._launcher import check_picklable, free_port, run_workers
 from ._options import LaunchSettings, StateOptions, validate
+from ._rundir import exception_name, lost_peer
 from .errors import WorkerError, WorkerFailure
 
 if TYPE_CHECKING:

@@ -28,6 +28,7 @@ NOT_TORCH = {
     "_exit", "_getframe", "_current_frames", "_asdict", "_replace", "_fields", "_make",  # os, sys, namedtuple
     "_SubParsersAction", "_actions", "_fmt", "_style", "_args_from_interpreter_flags",  # argparse, logging, subprocess
     "_self_instance",  # wrapt's bound function wrapper
+    "_inheriting",  # multiprocessing's mark of a process importing the main module (spawn's, Python 3.10 to 3.13)
 }  # fmt: skip
 # torch attributes without an underscore that torch does not document (DDP's internals).
 WATCHED = {"require_backward_grad_sync", "reducer"}
@@ -38,7 +39,7 @@ def _sources() -> dict[Path, ast.Module]:
 
 
 def _defined(trees: dict[Path, ast.Module]) -> set[str]:
-    """Every name accelkit defines: modules, functions, classes, variables, attributes it sets, arguments."""
+    """Every name accelkit defines: modules, functions, classes, variables, attributes of its own objects, arguments."""
     names = {path.stem for path in trees} | {path.parent.name for path in trees}
     for tree in trees.values():
         for node in ast.walk(tree):
@@ -46,13 +47,18 @@ def _defined(trees: dict[Path, ast.Module]) -> set[str]:
                 names.add(node.name)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                names.add(node.attr)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _on_own(node.value):
+                names.add(node.attr)  # an attribute of accelkit's own objects (a torch object's is torch's name)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
             elif isinstance(node, ast.alias) and node.asname:
                 names.add(node.asname)
     return names
+
+
+def _on_own(target: ast.expr) -> bool:
+    """``self.x = ...`` / ``cls.x = ...`` (accelkit's own classes), or a module global (``module.x = ...`` is not)."""
+    return isinstance(target, ast.Name) and target.id in ("self", "cls")
 
 
 def _private_uses(tree: ast.Module, defined: set[str]) -> set[str]:

@@ -41,7 +41,8 @@ import torch
 from processes import RUNS_OF_TWENTY, alive, subprocess_env
 
 import accelkit as ak
-from accelkit._launcher._failures import collect_failures, lost_peer, record_failure
+from accelkit._launcher._failures import collect_failures
+from accelkit._rundir import lost_peer, record_failure
 from accelkit.errors import WorkerFailure
 from accelkit.testing import WorkerPool, free_port, run_distributed
 
@@ -521,7 +522,7 @@ def test_a_lost_peer_never_outranks_a_death(tmp_path: Path, monkeypatch: pytest.
     try:
         raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer")
     except RuntimeError as cause:
-        record_failure(str(tmp_path), cause)
+        record_failure(cause, run_dir=str(tmp_path))
     later = time.time() + 5  # the agent's stamp of rank 1's death, after rank 0's report
     agent = {1: type("Seen", (), {"exitcode": -signal.SIGKILL, "timestamp": later, "local_rank": 1})()}
     assert collect_failures(str(tmp_path), agent).ranks == [1, 0]

@@ -347,7 +347,8 @@ def published_in_passes(steps: int) -> list[str]:
 
     def published() -> str:
         heartbeat.beat()  # as the heartbeat thread does, every second
-        return _group.read_positions(heartbeat.store, heartbeat.prefix, ak.world_size())[ak.rank()].doing
+        position = _group.read_positions(heartbeat.store, heartbeat.prefix, ak.world_size())[ak.rank()]
+        return f"{position.doing}{' (blocked)' if position.blocked else ''}"
 
     seen = []
     inner = make_model()
@@ -363,10 +364,59 @@ def published_in_passes(steps: int) -> list[str]:
 
 def test_ddp_passes_publish_that_they_may_wait_without_hooks_or_step_costs(pool: WorkerPool) -> None:
     # A rank left waiting for this one tells where it is (_group.meet): its heartbeat finds the pass on
-    # its stack. No module hooks (torch's fast call path), nothing marked on the step path.
-    syncing = "a forward or backward pass that waits for the other processes"
+    # its stack. No module hooks (torch's fast call path), nothing marked on the step path. The module's
+    # own forward may wait for anything (I/O): never proof; a boundary's backward all-reduces: proof.
+    forward = "a forward pass (it may wait for the other processes)"
+    syncing = "a backward pass that all-reduces gradients (it waits for every process) (blocked)"
     for seen in pool.run(published_in_passes, 2):
-        assert seen == [syncing, "", syncing, syncing, "", "0"], seen
+        assert seen == [forward, "", forward, syncing, "", "0"], seen
+
+
+def published_in_unsynced_backwards() -> list[bool]:
+    """Whether ak.backward on a boundary reads as blocked: plain, in ak.no_sync, in the DDP model's own no_sync()."""
+    from accelkit import _group, _state
+
+    heartbeat = _state.group.heartbeat
+    blocked = []
+    inner = make_model()
+    inner[0].weight.register_hook(lambda grad: blocked.append(_in_pass()))
+
+    def _in_pass() -> bool:
+        heartbeat.beat()
+        return _group.read_positions(heartbeat.store, heartbeat.prefix, ak.world_size())[ak.rank()].blocked
+
+    model = ak.prepare(inner)
+    x = torch.randn(2, 4, device=ak.device())
+    ak.backward(model(x).sum())
+    with ak.no_sync(model):
+        ak.backward(model(x).sum())
+    with model.no_sync():  # DDP's own
+        ak.backward(model(x).sum())
+    return blocked
+
+
+def test_a_backward_that_does_not_all_reduce_is_not_proof_of_a_wait(pool: WorkerPool) -> None:
+    assert pool.run(published_in_unsynced_backwards) == [[True, False, False]] * 2
+
+
+def backward_of_an_unprepared_model(prepare_another: bool) -> str:
+    model = make_model()
+    other = ak.prepare(make_model()) if prepare_another else None  # kept: prepared models are held weakly
+    try:
+        ak.backward(model(torch.randn(2, 4, device=ak.device())).sum() + (other is None) * 0)
+    except ak.StateError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.parametrize("prepare_another", [False, True])
+def test_a_loss_of_an_unprepared_model_is_refused_with_several_processes(
+    pool: WorkerPool, prepare_another: bool
+) -> None:
+    for said in pool.run(backward_of_an_unprepared_model, prepare_another):
+        assert "the loss trains parameters of a model that ak.prepare never saw" in said, said
+        assert "model = ak.prepare(model)" in said and ("no model was prepared" in said) != prepare_another
+    assert backward_of_an_unprepared_model(False) == "trained"  # one process: nothing to synchronise
 
 
 def test_a_scheduler_built_on_the_prepared_optimizer_skips_with_it() -> None:

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .. import _env, _state, _tree
+from .. import _state, _tree
 from ..errors import CheckpointError
 from . import _save
 from ._agree import Agreement, exchange_on
@@ -257,11 +257,6 @@ def _exit_failed(failures: list[tuple[str, BaseException]]) -> None:
 
 def _record_for_launcher(error: BaseException, text: str) -> None:
     """Under ``accelkit launch`` or ``@ak.distributed``: the launcher names this rank's failure (root cause first)."""
-    run_dir = os.environ.get(_env.RUN_DIR)
-    if run_dir:
-        from .._launcher import record_failure
+    from .._rundir import record_failure
 
-        try:
-            record_failure(run_dir, error, text)
-        except Exception as exc:  # the exit code and stderr still say it
-            sys.stderr.write(f"accelkit: could not record the failure for the launcher: {exc!r}\n")
+    record_failure(error, text)

@@ -298,7 +298,7 @@ def _meet(name: str) -> None:
     if not st.distributed or group.store is None:
         return
     group.meetings[name] = number = group.meetings.get(name, 0) + 1
-    _group.meet(group.store, group.board, name, number, st.rank, st.world_size, st.options.timeout, _group.SYNCING)
+    _group.meet(group.store, group.board, name, number, st.rank, st.world_size, st.options.timeout)
 
 
 class _Read(NamedTuple):

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         0
     """
     _die_with_launcher()
-    _record_crashes()
+    _record_stacks()
     module = bool(argv) and argv[0] in ("-m", "--module")
     if module:
         argv = argv[1:]
@@ -66,15 +66,15 @@ def _die_with_launcher() -> None:
         die_with_parent(launcher)
 
 
-def _record_crashes() -> None:
-    """A death by signal (SIGSEGV in an extension) shows where it was."""
+def _record_stacks() -> None:
+    """A death by signal (a backend's abort, SIGTERM) shows where it was."""
     from .._env import RUN_DIR
 
     run_dir = os.environ.get(RUN_DIR)
     if run_dir:
-        from .._launcher import record_crashes
+        from .._rundir import record_stacks
 
-        record_crashes(run_dir)
+        record_stacks(run_dir)
 
 
 def _report(exc: BaseException) -> None:
@@ -83,15 +83,13 @@ def _report(exc: BaseException) -> None:
     if not isinstance(exc, SystemExit):
         sys.stderr.write(text)
         sys.stderr.flush()
-    from .._env import RUN_DIR
-    from .._launcher import record_failure
+    from .._rundir import record_failure
 
-    run_dir = os.environ.get(RUN_DIR)
-    if run_dir:
-        record_failure(run_dir, exc, text)
+    record_failure(exc, text)
     if "accelkit._state" in sys.modules:  # the script started trackers only if it imported the state
         from .. import _state
 
+        _state.stop_upkeep(exc)  # a rank still waiting for this one reads that it is gone, and why
         _state.this_process.end_tracking(failed=True)  # what was logged stays readable, and the run is marked failed
 
 

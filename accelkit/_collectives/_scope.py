@@ -85,9 +85,10 @@ def _whereabouts(st: ProcessState, op: str, seq: int | None) -> list[str]:
         reports = _group.read_reports(group.store, group.board)
         if reports:
             return [f"process {rank} stopped the group first:\n{text}" for rank, text in reports]
-        if group.heartbeat is not None:  # a fresh position from every rank that is still alive
-            time.sleep(group.heartbeat.period)
         positions = _group.read_positions(group.store, group.board, st.world_size)
+        if group.heartbeat is not None and not all(p.gone for r, p in positions.items() if r != st.rank):
+            time.sleep(group.heartbeat.period)  # a fresh position from every rank still in the group
+            positions = _group.read_positions(group.store, group.board, st.world_size)
         return _group.describe_missing(st.rank, op, seq, positions, list(range(st.world_size))).splitlines()
     except Exception:  # the store went with the rank that hosted it
         return []

@@ -14,8 +14,12 @@ import json
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["Position", "describe_missing", "find_conflict", "find_deadlock", "post_report", "publish",
-           "read_positions", "read_reports"]  # fmt: skip
+__all__ = ["LATEST_BOARD", "Position", "describe_missing", "find_conflict", "find_deadlock", "post_report",
+           "publish", "read_positions", "read_reports"]  # fmt: skip
+
+# The key under which the main rank names the board of the group it formed last: a launcher that hosts the
+# job's store reads the ranks' last positions there after a failure (each group has a board of its own).
+LATEST_BOARD = "accelkit/board"
 
 
 class Position(NamedTuple):
@@ -36,14 +40,18 @@ class Position(NamedTuple):
     published: float  # wall-clock time of this report
     signature: str = ""  # inside: what two ranks in the same call share (operation, arguments, shapes)
     call: str = ""  # inside: the call as debug mode's tables show it
-    doing: str = ""  # a step that waits for the other ranks outside the collectives (a synchronising backward)
-    idle_since: float = 0.0  # wall-clock time since which the process has used (almost) no CPU; 0: busy
+    doing: str = ""  # a pass that may wait for the other ranks outside the collectives (see _meet)
+    blocked: bool = False  # that pass cannot end without every other rank (a backward that all-reduces gradients)
+    gone: str = ""  # the rank left the group: how (its code returned, or what it raised); "" while it is in it
 
     @property
     def label(self) -> str:
         return f"{self.op} #{self.seq}" if self.op else "no collective yet"
 
     def describe(self, now: float) -> str:
+        if self.gone:
+            after = f"after {self.label}" if self.op else "before its first collective"
+            return f"gone: {self.gone} ({after})" + (f", at {self.where}" if self.where else "")
         if not self.op:
             state = "before its first collective"
         elif self.inside:
@@ -122,27 +130,25 @@ def find_deadlock(
     rank: int, seq: int, signature: str, positions: dict[int, Position], world: int, settled: float
 ) -> str:
     """A table when no rank can make progress, else "": this rank has waited in call ``#seq`` for ``settled``
-    seconds, and every rank not waiting in that call with it has been idle as long, waiting in another
-    collective or in a pass that waits for every rank (DDP's forward, a synchronising backward).
+    seconds, and every rank not in that call with it waits where it cannot go on without the others: in another
+    collective, in a pass that needs every rank (a backward that all-reduces gradients), or gone from the group.
 
-    Idle, not just there: a rank that computes a long forward is busy, and will come (a rank's idleness is
-    its process' CPU time, read by its own heartbeat). A collective reached by some ranks only, the others
-    gone on to their next step or collective, is such a wait.
+    Only such proof counts. A rank that may still be working (a forward, the user's code, a wait for I/O, busy
+    or idle) will come, or fail by itself: it is waited for, and only the collective timeout ends that wait.
     """
     now = time.time()
     mine = positions.get(rank)
     if mine is None or not mine.inside or len(positions) < world or now - mine.since < settled:
         return ""
-    with_me = {r for r, p in positions.items() if p.inside and p.seq == seq and p.signature == signature}
-    for r, p in positions.items():
-        waiting = p.inside or bool(p.doing)
-        if r not in with_me and not (waiting and p.idle_since and now - p.idle_since >= settled):
-            return ""
-    if len(with_me) == len(positions):
+    with_me = sorted(r for r, p in positions.items() if p.inside and p.seq == seq and p.signature == signature)
+    if len(with_me) == len(positions) or not all(
+        r in with_me or p.inside or p.blocked or p.gone for r, p in positions.items()
+    ):
         return ""
+    who = f"process{'es' if len(with_me) > 1 else ''} {', '.join(map(str, with_me))}"
     lines = [
-        f"Cannot complete accelkit.{mine.op} #{seq}: no process can make progress, the others wait elsewhere "
-        f"(a collective that only some processes reach)."
+        f"Cannot complete accelkit.{mine.op} #{seq} ({mine.where}): {who} alone reached it, and no process can make "
+        f"progress: the others wait where they cannot go on without it, or are gone."
     ]
     for r in sorted(positions):
         p = positions[r]

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import _env
 from ..errors import ConfigurationError, StateError
+from ._board import LATEST_BOARD
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
@@ -116,8 +117,8 @@ def adopt(launch: _env.LaunchEnv) -> _env.LaunchEnv:
 def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> None:
     """The handshake (every rank the same software and options), then this rank's heartbeat.
 
-    ``st`` is the new ``ProcessState``; ``group`` its ``GroupState``, which gets the heartbeat's
-    store client, the key prefix of the board and the heartbeat thread.
+    ``st`` is the new ``ProcessState``; ``group`` its ``GroupState``, which gets ``store`` (the job's), the
+    heartbeat's store client, the key prefix of the board and the heartbeat thread.
     """
     import torch.distributed as dist
 
@@ -125,7 +126,9 @@ def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> N
     handshake(dist.PrefixStore(f"{group.prefix}/handshake", store), st.rank, st.world_size, facts)  # type: ignore[attr-defined]
     # The heartbeat's own connection, with a short timeout: a store gone away must not hold it for minutes.
     client = dist.TCPStore(address[0], address[1], None, False, timedelta(seconds=5), wait_for_workers=False)  # type: ignore[attr-defined]
-    group.store, group.board = client, f"{group.prefix}/board"
+    group.store, group.board, group.job_store = client, f"{group.prefix}/board", store
+    if st.rank == 0:
+        client.set(LATEST_BOARD, group.board)
     group.heartbeat = Heartbeat(
         client, group.board, st.rank, st.world_size, group, wait_log_interval(), st.options.timeout
     )

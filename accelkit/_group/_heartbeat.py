@@ -20,23 +20,21 @@ import threading
 import time
 from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
-from .. import _env, _frames
+from .. import _env, _frames, _rundir
 from ._board import Position, describe_missing, find_conflict, find_deadlock, post_report, publish, read_positions
-from ._meet import SYNCING
 
-__all__ = ["PASSES_THAT_WAIT", "Heartbeat", "first_line_after", "heartbeat_period", "wait_log_interval"]
+__all__ = ["NOT_WAITING", "PASSES_THAT_WAIT", "Heartbeat", "Waiting", "first_line_after", "heartbeat_period",
+           "wait_log_interval"]  # fmt: skip
 
 DEFAULT_INTERVAL = 30.0
 _TORCH = f"{os.sep}torch{os.sep}"  # the user's line is the one below torch's own frames
 # The positions the heartbeats of a whole job may write to its store each second: beyond 256 ranks
 # each one publishes less often (1024 ranks: every 4 s), so the store's load stays bounded.
 STORE_WRITES_PER_S = 256.0
-# A rank whose process used less than this share of one core since its last beat is idle (waiting).
-IDLE_SHARE = 0.1
-# Seconds every rank must have waited, idle, before a wait no rank can end fails the job (seen on two reads,
-# the second CONFIRM seconds after the first).
+# Seconds a rank must have waited before a wait no rank can end fails the job (seen on two reads, the second
+# CONFIRM seconds after the first, with no rank's position changed in between).
 SETTLED = 8.0
 CONFIRM = 4.0
 
@@ -89,16 +87,22 @@ class Heartbeat(threading.Thread):
         self._next_read = 0.0  # seconds into the current wait when the positions are read next
         self._conflict = ""  # the last table of ranks waiting in different calls, printed once
         self._stuck: tuple[Any, ...] = ()  # the positions of the last read that found no rank could go on
-        self._cpu, self._cpu_at, self._idle_since = time.process_time(), time.monotonic(), 0.0
 
     def start(self) -> None:
         self.beat()  # the rank's key exists before anyone can read it
         super().start()
 
-    def stop(self) -> None:
+    def stop(self, gone: str = "", where: str = "") -> None:
+        """Stop publishing. ``gone``: the rank leaves the group (how: its code returned, or what it raised), said
+        in a last position, at ``where``, so that a rank still waiting for it knows it will never come."""
         self._stopped.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=10)
+        if gone:
+            now = self.group.now
+            with contextlib.suppress(Exception):  # the store may be gone with the rank that hosted it
+                publish(self.store, self.prefix, Position(self.rank, now.op, now.seq, False, time.time(), where,
+                                                          time.time(), gone=gone))  # fmt: skip
 
     def run(self) -> None:
         while not self._stopped.wait(self.period):
@@ -114,15 +118,14 @@ class Heartbeat(threading.Thread):
         now = g.now  # an immutable snapshot the collectives replace whole: read once
         op, seq, inside = now.op, now.seq, now.inside
         signature = f"{now.fingerprint:016x}" if inside else ""
-        where, in_pass = self._where(now.thread or threading.main_thread().ident or 0)
-        doing = now.doing or (SYNCING if in_pass else "")
+        where, (doing, blocked) = self._where(now.thread or threading.main_thread().ident or 0)
+        doing = doing or now.doing
         wall, mono = time.time(), time.monotonic()
-        self._watch_cpu(wall, mono, waiting=inside or (bool(doing) and not _uses_cuda()))
-        state = (op, seq, inside, where, signature, doing, bool(self._idle_since))
+        state = (op, seq, inside, where, signature, doing, blocked)
         if state != self._last:
             since = wall - (mono - now.since) if now.since else wall
             publish(self.store, self.prefix, Position(self.rank, op, seq, inside, since, where, wall, signature,
-                                                      now.text if inside else "", doing, self._idle_since))  # fmt: skip
+                                                      now.text if inside else "", doing, blocked))  # fmt: skip
             self._last = state
             self._reported = 0
             self._next_read = 2 * self.period
@@ -150,34 +153,17 @@ class Heartbeat(threading.Thread):
             self._reported += 1
             self._say_waiting(op, seq, waited, positions)
 
-    def _watch_cpu(self, wall: float, mono: float, waiting: bool) -> None:
-        """Whether this process is idle: it used almost no CPU since the last beat, while it waits.
-
-        A pass that waits counts only without CUDA: a GPU's host thread idles while the device computes.
-        """
-        cpu = time.process_time()
-        busy = not waiting or cpu - self._cpu > IDLE_SHARE * (mono - self._cpu_at)
-        self._cpu, self._cpu_at = cpu, mono
-        if busy:
-            self._idle_since = 0.0
-        elif not self._idle_since:
-            self._idle_since = wall
-
     def _give_up(self, table: str, where: str) -> None:
         """End this process: no rank can make progress (see ``find_deadlock``). Its main thread waits in the
         backend, where nothing reaches it, so the error is said here (stderr, the launcher's failure record, the
         store for the other ranks) and the process exits with code 1; the launcher then stops the others."""
-        from .._launcher import record_failure
         from ..errors import DistributedOperationError
 
         error = DistributedOperationError(table)
         print("\n".join(f"accelkit: rank {self.rank}: {line}" for line in table.splitlines()), file=sys.stderr)
         with contextlib.suppress(Exception):
             post_report(self.store, self.prefix, self.rank, table)
-        run_dir = os.environ.get(_env.RUN_DIR)
-        if run_dir:
-            with contextlib.suppress(Exception):
-                record_failure(run_dir, error, f"rank {self.rank} waits in it, running {where}")
+        _rundir.record_failure(error, f"rank {self.rank} waits in it, running {where}")
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -193,33 +179,41 @@ class Heartbeat(threading.Thread):
         print("\n".join(lines), file=sys.stderr, flush=True)
 
     @staticmethod
-    def _where(thread: int) -> tuple[str, bool]:
-        """The user's line ``thread`` runs, and whether it is inside a pass that waits (``PASSES_THAT_WAIT``)."""
+    def _where(thread: int) -> tuple[str, Waiting]:
+        """The user's line ``thread`` runs, and how a pass that waits it is inside waits (``PASSES_THAT_WAIT``)."""
         frame = sys._current_frames().get(thread) if thread else None
         inner = frame
         while frame is not None and (_frames.is_ours(frame.f_code.co_filename) or _TORCH in frame.f_code.co_filename):
             frame = frame.f_back
         user = frame or inner  # all of it torch's (a script run by torch itself): the innermost line
         if user is None:
-            return "<not in Python code>", False
+            return "<not in Python code>", NOT_WAITING
         return f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}", _in_pass(inner)
 
 
-def _uses_cuda() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
+class Waiting(NamedTuple):
+    """How a rank waits for the others outside the collectives: what it does ("": nothing that waits), and
+    whether that cannot end without every other rank (``blocked``: proof, where a forward only may wait)."""
+
+    doing: str
+    blocked: bool
 
 
-# The code of the passes that may wait for the other ranks outside accelkit's collectives (DDP's
-# forward, ak.backward's all-reduce), each with what says whether it waits now. The heartbeat finds
-# them on the rank's stack and publishes SYNCING, so that the step path itself marks nothing.
-PASSES_THAT_WAIT: dict[CodeType, Callable[[], bool]] = {}
+NOT_WAITING = Waiting("", False)
+# The code of the passes that may wait for the other ranks outside accelkit's collectives (DDP's forward,
+# ak.backward's all-reduce), each with what says how it waits now, given the frames it runs (innermost
+# first). The heartbeat finds them on the rank's stack, so that the step path itself marks nothing.
+PASSES_THAT_WAIT: dict[CodeType, Callable[[list[FrameType]], Waiting]] = {}
 
 
-def _in_pass(frame: FrameType | None) -> bool:
+def _in_pass(frame: FrameType | None) -> Waiting:
+    found, inside = NOT_WAITING, list[FrameType]()
     while frame is not None:
         waits = PASSES_THAT_WAIT.get(frame.f_code)
-        if waits is not None and waits():
-            return True
+        how = waits(inside) if waits is not None else NOT_WAITING
+        if how.blocked:
+            return how
+        found = found if found.doing else how
+        inside.append(frame)
         frame = frame.f_back
-    return False
+    return found

@@ -23,21 +23,21 @@ from ..errors import DistributedOperationError
 if TYPE_CHECKING:
     from ._board import Position
 
-__all__ = ["SYNCING", "meet"]
+__all__ = ["DDP_SYNCING", "MAY_SYNC", "SYNCING", "meet"]
 
-SYNCING = "a forward or backward pass that waits for the other processes"  # published meanwhile
+# What a rank publishes while it runs a pass that waits for the other ranks outside the collectives: one that
+# cannot end without them (a backward that all-reduces gradients, DDP's own synchronisation), and one that may.
+SYNCING = "a backward pass that all-reduces gradients (it waits for every process)"
+DDP_SYNCING = "DDP's forward, synchronising buffers or buckets (it waits for every process)"
+MAY_SYNC = "a forward pass (it may wait for the other processes)"
 
 _POLL = 0.05  # seconds between two reads of the positions, at first; doubling to 1 s
 _SURE = 3.0  # seconds a missing rank must read as stuck, unchanged: a few beats of a loaded machine
 
 
-def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, timeout: float,
-         doing: str) -> None:  # fmt: skip
-    """Wait until every rank reached the ``number``-th ``name`` of this group; raise when one never will.
-
-    ``doing`` is what a rank publishes while it waits for the others outside the collectives (see
-    ``PASSES_THAT_WAIT``): a missing rank found doing it cannot reach this step.
-    """
+def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, timeout: float) -> None:
+    """Wait until every rank reached the ``number``-th ``name`` of this group; raise when one never will:
+    a missing rank in a pass that cannot end without the others (``Position.blocked``), or gone."""
     key = f"{board}/meet/{name}/{number}"
     store.set(f"{key}/{rank}", "1")
     if store.add(key, 1) >= world:
@@ -53,7 +53,7 @@ def meet(store: Any, board: str, name: str, number: int, rank: int, world: int, 
         pause = min(1.0, 2 * pause)
         now = time.monotonic()
         missing = [r for r in range(world) if r != rank and not store.check([f"{key}/{r}"])]
-        stuck = {r: p for r, p in read_positions(store, board, world).items() if r in missing and p.doing == doing}
+        stuck = {r: p for r, p in read_positions(store, board, world).items() if r in missing and (p.blocked or p.gone)}
         seen = {r: seen[r] if r in seen and seen[r][0] == p else (p, now) for r, p in stuck.items()}
         sure = {r: p for r, (p, since) in seen.items() if now - since >= _SURE}
         if sure:

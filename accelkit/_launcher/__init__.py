@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._agent import check_picklable, run_workers
-    from ._crashes import record_crashes
     from ._entry_points import distributed, launch
-    from ._failures import collect_failures, exception_name, lost_peer, record_failure, report_stop
+    from ._failures import collect_failures, report_stop
     from ._launch_plan import LaunchPlan, plan_launch
     from ._lifeline import LoaderWorkerLifeline, die_with_parent
     from ._netif import describe_interfaces, route_to, socket_ifname_env
@@ -30,13 +29,9 @@ __all__ = [
     "describe_interfaces",
     "die_with_parent",
     "distributed",
-    "exception_name",
     "free_port",
     "launch",
-    "lost_peer",
     "plan_launch",
-    "record_crashes",
-    "record_failure",
     "report_stop",
     "route_to",
     "run_workers",
@@ -53,13 +48,9 @@ _HOMES = {
     "describe_interfaces": "_netif",
     "die_with_parent": "_lifeline",
     "distributed": "_entry_points",
-    "exception_name": "_failures",
     "free_port": "_rendezvous",
     "launch": "_entry_points",
-    "lost_peer": "_failures",
     "plan_launch": "_launch_plan",
-    "record_crashes": "_crashes",
-    "record_failure": "_failures",
     "report_stop": "_failures",
     "route_to": "_netif",
     "run_workers": "_agent",

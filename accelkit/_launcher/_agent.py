@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 from .. import _env
@@ -94,7 +95,8 @@ def run_workers(
                     return read_results(run_dir, sorted(results))
                 except ChildFailedError as exc:
                     cause = lost_nodes(addr, port, run_id, config.num_nodes, config.node_rank) if beat else ""
-                    raise collect_failures(run_dir, exc.failures, cause) from None
+                    positions = last_positions(addr, port, config.num_nodes * nprocs)
+                    raise collect_failures(run_dir, exc.failures, cause, positions) from None
                 except RendezvousTimeoutError:  # c10d's own join timeout; the launchers' beats say who came
                     seen = nodes_seen(addr, port, run_id, config.num_nodes) if beat else None
                     raise TimeoutError(_not_joined(config, seen)) from None
@@ -102,6 +104,22 @@ def run_workers(
         raise TimeoutError(_not_joined(config, None)) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def last_positions(addr: str, port: int, world: int) -> dict[int, Any]:
+    """The positions the ranks' heartbeats last published in the job's store (the board of the group the main
+    rank formed last); {} where there are none, or the store is gone."""
+    import torch.distributed as dist
+
+    from .._group import LATEST_BOARD, read_positions
+
+    try:
+        store = dist.TCPStore(addr, port, None, False, timedelta(seconds=2), wait_for_workers=False)  # type: ignore[attr-defined]
+        if not store.check([LATEST_BOARD]):
+            return {}
+        return read_positions(store, store.get(LATEST_BOARD).decode(), world)
+    except Exception:  # a store that went with its node: the stacks and records still speak
+        return {}
 
 
 def _not_joined(config: LaunchSettings, seen: set[int] | None) -> str:

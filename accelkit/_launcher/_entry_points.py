@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast, overload
@@ -196,11 +195,9 @@ def _missing_main_guard(fn: Any) -> NoReturn:
         f"{_name(fn)} was called while a worker process was importing the main module; "
         f"call it under `if __name__ == '__main__':` so that workers do not run it again"
     )
-    run_dir = os.environ.get(_env.RUN_DIR)
-    if run_dir:
-        from ._failures import record_failure
+    from .._rundir import record_failure
 
-        record_failure(run_dir, exc)
+    record_failure(exc)
     raise exc
 
 

@@ -79,9 +79,9 @@ def _load(path: str) -> Job:
             job: Job = pickle.load(f)
         return job
     except BaseException as exc:
-        from ._failures import record_failure
+        from .._rundir import record_failure
 
-        record_failure(os.path.dirname(path), exc)  # e.g. the main script failed to import here
+        record_failure(exc, run_dir=os.path.dirname(path))  # e.g. the main script failed to import here
         raise
     finally:
         del process._inheriting
@@ -95,13 +95,13 @@ def _write_result(run_dir: str, result: Any) -> None:
     try:
         data = pickle.dumps(result, pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        from ._failures import record_failure
+        from .._rundir import record_failure
 
         error = TypeError(
             f"the return value ({type(result).__qualname__}) cannot be sent to the launching process: {exc}. "
             f"Return what pickle can send (numbers, strings, tensors, lists and dicts of them)"
         )
-        record_failure(run_dir, error, f"{error}\n")
+        record_failure(error, f"{error}\n", run_dir)
         sys.exit(1)
     folder = os.path.join(run_dir, "results")
     os.makedirs(folder, exist_ok=True)
@@ -126,14 +126,13 @@ def read_results(run_dir: str, ranks: list[int]) -> dict[int, Any]:
 def worker_main(job: Job) -> Any:
     """The entry point of every worker process."""
     from .. import _state
-    from ._crashes import record_crashes
-    from ._failures import record_failure
+    from .._rundir import record_failure, record_stacks
     from ._lifeline import die_with_parent
     from ._spec import FunctionRef
     from ._streams import apply_logging, whole_lines_to_notebook
 
     die_with_parent(job.launcher_pid)  # a launcher killed with SIGKILL takes its workers along
-    record_crashes(job.run_dir)  # a death by signal (SIGSEGV in an extension) shows where it was
+    record_stacks(job.run_dir)  # a death by signal (a backend's abort, SIGTERM) shows where it was
     os.environ.update(job.env)
     whole_lines_to_notebook()
     if job.logging is not None:
@@ -148,11 +147,11 @@ def worker_main(job: Job) -> Any:
         return fn(*job.args, **job.kwargs)
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            record_failure(job.run_dir, exc)
+            record_failure(exc, run_dir=job.run_dir)
             _state.this_process.end_tracking(failed=True)
         raise
     except BaseException as exc:
-        record_failure(job.run_dir, exc)
+        record_failure(exc, run_dir=job.run_dir)
         _state.this_process.end_tracking(failed=True)  # what was logged stays readable, and the run is marked failed
         raise
     finally:
@@ -166,7 +165,7 @@ def _start_watchdog(job: Job) -> threading.Timer:
     import traceback
 
     from .. import _env
-    from ._failures import record_failure
+    from .._rundir import record_failure
 
     main = threading.main_thread()
 
@@ -180,7 +179,7 @@ def _start_watchdog(job: Job) -> threading.Timer:
                 where += f"thread {thread.name!r} was at:\n" + "".join(traceback.format_stack(other))
         rank = _env.read_int("RANK") or 0
         exc = TimeoutError(f"rank {rank} did not finish within {job.watchdog:g} s")
-        record_failure(job.run_dir, exc, f"{exc}; it was at:\n{where}")
+        record_failure(exc, f"{exc}; it was at:\n{where}", job.run_dir)
         os._exit(70)
 
     timer = threading.Timer(job.watchdog or 0, expire)

@@ -1,46 +1,68 @@
-"""Where a worker that died from a fatal signal was: ``faulthandler``'s stacks, kept in the run directory.
+"""Where a worker was when it died from a signal: ``faulthandler``'s stacks, kept in the run directory.
 
-The worker side imports nothing beyond ``os`` and ``faulthandler``: it is armed in every worker
-before the user's code runs (``accelkit launch`` scripts too).
+Armed in every worker before the user's code runs (``accelkit launch`` scripts too), importing nothing
+beyond the standard library. A fatal signal (SIGSEGV, SIGABRT: a backend that aborts) leaves the stacks
+of every thread; so does SIGTERM, with which a launcher stops the other workers after one failed, so
+that the failure report can say where each rank was, not only that it was stopped.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
-__all__ = ["crash_stacks", "record_crashes"]
+from ._spot import Spot, spot_of_dump
 
-_CRASHES = "crashes"
-_CRASH_LINES = 80  # of the Python stacks a fatal signal left: the crashing thread's come first
-_crash_file: Any = None  # open for as long as the process lives: faulthandler writes to its descriptor
+__all__ = ["record_stacks", "stacks_of", "where_it_was"]
+
+_FOLDER = "crashes"
+_LINES = 80  # of the Python stacks a signal left: the crashing thread's come first
+_file: Any = None  # open for as long as the process lives: faulthandler writes to its descriptor
 
 
-def record_crashes(run_dir: str) -> None:
-    """Where this worker dies from a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL), its
-    Python stacks go to the run directory, where the launcher finds them (:func:`crash_stacks`).
+def record_stacks(run_dir: str) -> None:
+    """Where this worker dies from a fatal signal or is stopped by SIGTERM, its Python stacks go to the run
+    directory, where the launcher finds them (:func:`stacks_of`).
 
-    A process that has ``faulthandler`` on already (``PYTHONFAULTHANDLER``, ``-X faulthandler``) keeps it
-    as it is.
+    A process that has ``faulthandler`` on already (``PYTHONFAULTHANDLER``, ``-X faulthandler``) keeps it as
+    it is. SIGTERM still ends the process as before (the dump is chained to the handler in place).
     """
-    global _crash_file
+    global _file
     import faulthandler
 
     if faulthandler.is_enabled():
         return
-    folder = os.path.join(run_dir, _CRASHES)
+    folder = os.path.join(run_dir, _FOLDER)
     os.makedirs(folder, exist_ok=True)
-    _crash_file = open(os.path.join(folder, f"{os.getpid()}.txt"), "w")
-    faulthandler.enable(_crash_file, all_threads=True)
+    _file = open(os.path.join(folder, f"{os.getpid()}.txt"), "w")
+    faulthandler.enable(_file, all_threads=True)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a handler of the program's own stays alone
+        faulthandler.register(signal.SIGTERM, _file, all_threads=True, chain=True)
 
 
-def crash_stacks(run_dir: str, pid: int | None) -> str:
-    """What :func:`record_crashes` caught in process ``pid``, the crashing thread first; "" if nothing."""
+def _blocks(run_dir: str, pid: int | None) -> list[str]:
     try:
-        with open(os.path.join(run_dir, _CRASHES, f"{pid}.txt")) as f:
+        with open(os.path.join(run_dir, _FOLDER, f"{pid}.txt")) as f:
             text = f.read()
     except OSError:
-        return ""
-    blocks = [b for b in text.strip().split("\n\n") if not b.startswith("Extension modules:")]
-    blocks.sort(key=lambda b: not b.startswith(("Fatal Python error", "Current thread")))  # stable: the error first
-    return "\n".join("\n\n".join(blocks).splitlines()[:_CRASH_LINES])
+        return []
+    return [b for b in text.strip().split("\n\n") if b and not b.startswith("Extension modules:")]
+
+
+def stacks_of(run_dir: str, pid: int | None, main_only: bool = False) -> str:
+    """What :func:`record_stacks` caught in process ``pid``: the error, the main thread's stack, then the other
+    threads' (``main_only``: the main thread's alone); "" if nothing."""
+    blocks = _blocks(run_dir, pid)
+    blocks.sort(key=lambda b: (not b.startswith("Fatal Python error"), " in <module>" not in b))  # stable
+    if main_only:
+        blocks = [b for b in blocks if " in <module>" in b][:1]
+    return "\n".join("\n\n".join(blocks).splitlines()[:_LINES])
+
+
+def where_it_was(run_dir: str, pid: int | None) -> Spot | None:
+    """Where the main thread of process ``pid`` was when a signal ended it (the thread that runs ``<module>``)."""
+    for block in _blocks(run_dir, pid):
+        if " in <module>" in block:
+            return spot_of_dump(block)
+    return None

@@ -17,6 +17,7 @@ from ._globals import (
     origin,
     peek,
     reset_state,
+    stop_upkeep,
     this_process,
     training,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "peek",
     "reform_group",
     "reset_state",
+    "stop_upkeep",
     "strategy",
     "this_process",
     "training",

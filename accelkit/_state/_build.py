@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -202,7 +203,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
 
             _group.start_upkeep(st, store, address, this_process.group)
         except BaseException:
-            stop_upkeep()
+            stop_upkeep(sys.exc_info()[1])
             _group.destroy()
             raise
     this_process.state, this_process.owns_group, this_process.origin = st, owns, origin

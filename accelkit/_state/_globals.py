@@ -7,7 +7,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +81,7 @@ class ProcessGlobals:
         else:
             self.end_tracking(failed=False)  # what failed, ak.end_training reports
             if not keep_group and self.state is not None and self.state.pid == os.getpid():
-                stop_upkeep()
+                stop_upkeep(sys.exc_info()[1])  # a failure on its way out of the code that resets
                 if self.owns_group:
                     _destroy_group()
         _renew(self.training)
@@ -200,10 +202,24 @@ def close_saving() -> None:
         saving.close()
 
 
-def stop_upkeep() -> None:
+def stop_upkeep(failure: BaseException | None = None) -> None:
+    """Stop the heartbeat; its last position says that this rank left the group, and how: ``failure`` (raised
+    at the user's line), or its code returned."""
     if group.heartbeat is not None:
-        group.heartbeat.stop()
+        group.heartbeat.stop(*_farewell(failure))
     group.heartbeat = group.store = None
+
+
+def _farewell(failure: BaseException | None) -> tuple[str, str]:
+    if failure is None or (isinstance(failure, SystemExit) and failure.code in (None, 0)):
+        return "its code returned", ""
+    from .. import _rundir
+
+    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(failure.__traceback__)]
+    spot = _rundir.spot_of(frames)
+    message = str(failure).strip().splitlines()
+    said = f"it raised {type(failure).__name__}" + (f": {message[0][:200]}" if message else "")
+    return said, spot.line if spot is not None else ""
 
 
 def close_group(reason: str) -> None:
@@ -239,5 +255,6 @@ def _at_exit() -> None:
 
     st = current()
     models = list(training.models) if st is not None else []
+    stop_upkeep(getattr(sys, "last_value", None))  # an exception that ended the script, if one did
     reset_state()
     _group.destroy_before_exit(st.strategy if st is not None else None, models)

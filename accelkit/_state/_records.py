@@ -75,6 +75,7 @@ class TrainingState:
     - ``accumulation_steps``: the steps of the innermost ``ak.accumulate`` (1 outside);
       ``accumulating``: how many ``ak.accumulate`` regions are open (0 outside).
     - ``backward_calls``: ``ak.backward`` calls so far (a region compares it at entry and exit).
+    - ``unsynced``: how many ``ak.no_sync`` regions are open (the heartbeat: a backward there waits for no one).
     - ``whole_regions``: ``ak.accumulate`` regions with ``steps`` left at 1 that ran ``ak.backward``
       since a prepared optimizer last stepped (more than one: micro-steps in a loop without ``steps=``).
     - ``warned``: the training warnings given once (again after a reset: a new run).
@@ -96,7 +97,7 @@ class TrainingState:
 
     __slots__ = ("accumulating", "accumulation_steps", "active_loaders", "backward_calls", "loaders", "micro_step",
                  "models", "optimizers", "saving", "schedulers", "strategy", "sync_gradients", "torch_step",
-                 "warned", "whole_regions")  # fmt: skip
+                 "unsynced", "warned", "whole_regions")  # fmt: skip
 
     def __init__(self) -> None:
         self.micro_step = 0
@@ -105,6 +106,7 @@ class TrainingState:
         self.accumulation_steps = 1
         self.accumulating = 0
         self.backward_calls = 0
+        self.unsynced = 0
         self.whole_regions = 0
         self.warned: set[str] = set()
         self.strategy: Strategy | None = None
@@ -155,7 +157,7 @@ class GroupState:
       and ``previous_agreement`` the key prefix of the last one, deleted after the next.
     """
 
-    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "heartbeat", "key", "meetings",
+    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "heartbeat", "job_store", "key", "meetings",
                  "now", "pending", "plans", "prefix", "previous_agreement", "seq", "store")  # fmt: skip
 
     def __init__(self) -> None:
@@ -177,6 +179,7 @@ class GroupState:
         # Where this rank is: replaced whole by the collectives, read by the heartbeat thread.
         self.now = NOWHERE
         self.store: Any = None  # a client of the job's store with a short timeout: the heartbeat's, and reports
+        self.job_store: Any = None  # the job's store the group was formed on (its waits are long: agreements)
         self.board = ""  # the key prefix of positions and reports in that store (see _group)
         self.heartbeat: Any = None  # the heartbeat thread (see _group)
 

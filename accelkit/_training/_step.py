@@ -13,10 +13,11 @@ import torch
 import torch.optim.optimizer as optimizer_module
 from torch import nn
 
-from .. import _frames, _group, _state
+from .. import _frames, _state
 from .._options import is_int
 from .._strategies import Strategy
 from ._precision import MixedPrecisionModule
+from ._unprepared import check_prepared
 
 __all__ = [
     "accumulate",
@@ -49,6 +50,8 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         steps = (strategy.options if strategy is not None else _state.get().options).gradient_accumulation_steps
         if steps > 1:
             _warn_once("outside accumulate", _OUTSIDE_ACCUMULATE, steps=steps)
+    if not training.backward_calls:  # the first of a run
+        check_prepared(loss)
     training.backward_calls += 1
     steps = training.accumulation_steps
     strategy = None if training.torch_step else _state.own_step()
@@ -56,14 +59,6 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         (loss / steps if steps > 1 else loss).backward(**kwargs)  # type: ignore[no-untyped-call]
     else:
         strategy.backward(loss, divide_by=steps, boundary=training.sync_gradients, **kwargs)
-
-
-def _backward_waits() -> bool:
-    return _state.training.sync_gradients  # the gradients are all-reduced
-
-
-# A rank found in ak.backward on a boundary waits for the others: its heartbeat says so (_group.meet).
-_group.PASSES_THAT_WAIT[backward.__code__] = _backward_waits
 
 
 _OUTSIDE_ACCUMULATE = (
@@ -283,8 +278,10 @@ class _Reentrant:
         region = (_state.training.strategy or _state.strategy()).no_sync(self._model)
         region.__enter__()
         self._entered.append(region)
+        _state.training.unsynced += 1
 
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        _state.training.unsynced -= 1
         self._entered.pop().__exit__(kind, value, traceback)
 
 
