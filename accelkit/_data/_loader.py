@@ -109,6 +109,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self._epoch_order: torch.Tensor | None = None  # the order generator's state this epoch's order comes from
         self._pending_order: torch.Tensor | None = None  # a restored state of a followed generator, for the next epoch
         self._resumed: tuple[int, torch.Tensor | None] | None = None  # an epoch begun before a save: its seeds
+        self._kept_workers = False  # persistent DataLoader workers were started
         self._joinables: list[weakref.ReferenceType[Any]] = []  # see join_uneven_inputs
         self.base_dataloader: DataLoader[Any] | None = None  # the user's loader, set by prepare
 
@@ -135,6 +136,7 @@ class PreparedDataLoader(DataLoader[Any]):
         if isinstance(plan.shard, ShardedBatchSampler):
             plan.shard.skip = skip  # skipped indices are never loaded
         batches: Iterator[Any] = super().__iter__()
+        self._kept_workers = self.persistent_workers and self.num_workers > 0  # started once, kept
         if plan.lookahead:
             batches = _mark_last(batches, record)
         if isinstance(plan.shard, ShardedIterable) and skip:
@@ -166,8 +168,8 @@ class PreparedDataLoader(DataLoader[Any]):
         """The plain loader's base seed: one int64 from the loader's generator (or the global RNG) as each
         iteration starts (only the first with persistent workers). The workers' seeds come from our own
         generator: on rank 0 the same as the plain loader's, on rank ``r`` mixed with ``r``."""
-        if self.persistent_workers and self.num_workers > 0 and self._iterator is not None:
-            return  # the plain loader reuses its workers, and draws nothing
+        if self._kept_workers:
+            return  # the plain loader reuses its persistent workers, and draws nothing
         plan, own = self._plan, self.generator
         source = plan.seed_source if plan.seed_source is not None else torch.default_generator
         if plan.rank == 0 and plan.data_seed is None:
