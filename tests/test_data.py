@@ -129,8 +129,9 @@ def test_iterable_datasets_in_workers_warn_that_padding_is_per_worker(pool: Work
 
 
 def _gathered(n: int, b: int, even: bool, drop_last: bool, shuffle: bool, objects: bool) -> list[int]:
-    ak.set_seed(11)
-    loader = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=shuffle, drop_last=drop_last), even_batches=even)
+    g = torch.Generator().manual_seed(11)  # with a generator, the order is the same on any number of processes
+    loader = DataLoader(range(n), batch_size=b, shuffle=shuffle, drop_last=drop_last, generator=g)
+    loader = ak.prepare(loader, even_batches=even)
     seen: list[int] = []
     for batch in loader:
         if objects:
@@ -141,9 +142,9 @@ def _gathered(n: int, b: int, even: bool, drop_last: bool, shuffle: bool, object
 
 
 def _single_process_stream(n: int, b: int, shuffle: bool, drop_last: bool) -> list[int]:
-    """What one process with batch b * 2 sees in its first epoch (same seed as _gathered)."""
-    ak.set_seed(11)
-    loader = ak.prepare(DataLoader(range(n), batch_size=b * WORLD, shuffle=shuffle, drop_last=drop_last))
+    """What one process with batch b * 2 sees in its first epoch (same generator as _gathered)."""
+    g = torch.Generator().manual_seed(11)
+    loader = ak.prepare(DataLoader(range(n), batch_size=b * WORLD, shuffle=shuffle, drop_last=drop_last, generator=g))
     return [i for batch in loader for i in batch.tolist()]
 
 
@@ -206,23 +207,55 @@ def test_padding_bookkeeping_survives_break_raise_and_nesting(pool: WorkerPool) 
 
 def _epochs(n: int, b: int, seed: int) -> tuple[list[list[list[int]]], float]:
     ak.set_seed(seed)
-    loader = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=True))
+    loader = ak.prepare(DataLoader(range(n), batch_size=b, shuffle=True, generator=torch.Generator().manual_seed(seed)))
     epochs = [[batch.tolist() for batch in loader] for _ in range(3)]
     return epochs, torch.rand(()).item()
 
 
-def test_shuffled_epochs_equal_the_single_process_run(pool: WorkerPool) -> None:
+def test_shuffled_epochs_with_a_generator_equal_the_single_process_run(pool: WorkerPool) -> None:
     (e0, rand0), (e1, rand1) = pool.run(_epochs, 12, 3, 5)
     ak.set_seed(5)
-    reference = ak.prepare(DataLoader(range(12), batch_size=6, shuffle=True))
+    reference = ak.prepare(
+        DataLoader(range(12), batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(5))
+    )
     for epoch in range(3):
         expected = [batch.tolist() for batch in reference]
         assert [x + y for x, y in zip(e0[epoch], e1[epoch], strict=True)] == expected, f"epoch {epoch}"
     assert e0[0] != e0[1] != e0[2]  # a new order every epoch, without set_epoch
-    # The global RNG advanced alike on every rank and in the single-process run.
+    # The global RNG advanced alike on every rank and in the single-process run (not at all: the
+    # base seeds come from the loader's generator, as the plain loader draws them).
     assert rand0 == rand1 == torch.rand(()).item()
     (other, _), _ = pool.run(_epochs, 12, 3, 6)
     assert other[0] != e0[0]
+
+
+def _global_draws() -> list[bool]:
+    """After each step of a script, whether the global RNG stands where Accelerate's prepared loaders leave it."""
+    ak.set_seed(3 + ak.rank())  # the ranks' streams differ: each draws from its own, the orders agree
+    reference = torch.Generator().manual_seed(3 + ak.rank())
+
+    def drawn(k: int) -> bool:  # the reference advanced by k int64 draws, compared with the global RNG
+        for _ in range(k):
+            torch.empty((), dtype=torch.int64).random_(generator=reference)
+        return torch.equal(torch.get_rng_state(), reference.get_state())
+
+    ds = range(12)
+    g = torch.Generator().manual_seed(0)
+    with_g, evaluation = ak.prepare(DataLoader(ds, batch_size=2, shuffle=True, generator=g), DataLoader(ds))
+    checks = [drawn(0)]  # nothing at prepare for a generator or no shuffle
+    shuffled = ak.prepare(DataLoader(ds, batch_size=2, shuffle=True))
+    checks.append(drawn(1))  # the order's seed, once (rank 0's used at each epoch)
+    for loader, draws in ((shuffled, 1), (evaluation, 1), (with_g, 0)) * 2:  # the base seed, at each start
+        mine = [i for x in loader for i in x.tolist()]
+        checks.append(
+            drawn(draws) and sorted(i for part in ak.gather_object(mine) for i in part) == list(ds)
+        )  # one order
+    return checks
+
+
+def test_several_processes_draw_from_the_global_rng_as_accelerates_loaders(pool: WorkerPool) -> None:
+    for checks in pool.run(_global_draws):
+        assert checks == [True] * 8, checks
 
 
 def _resume(n: int, b: int, skip: int, stop: int) -> dict[str, Any]:
@@ -393,16 +426,87 @@ def test_skipping_a_stream_reads_past_the_skipped_batches() -> None:
     assert [x.tolist() for x in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
-def test_shuffling_owns_its_generator() -> None:
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DataLoader(range(20), batch_size=4, shuffle=True),
+        lambda: DataLoader(range(20), batch_size=3),
+        lambda: DataLoader(range(20), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)),
+        lambda: DataLoader(Stream(9), batch_size=2),
+    ],
+    ids=["shuffled", "sequential", "generator", "iterable"],
+)
+def test_one_process_draws_from_the_global_rng_as_the_plain_loader(make: Any) -> None:
+    def run(loader: Any) -> list[Any]:
+        seen = []
+        for _ in range(3):
+            seen.append([x.tolist() for x in loader])
+            seen.append(torch.rand(2).tolist())  # the stream user code (dropout, augmentations) sees after it
+        return seen
+
+    ak.set_seed(0)
+    plain = run(make())
+    ak.set_seed(0)
+    assert run(prepare_dataloader(make())) == plain  # the same batches, and the same numbers after them
+
+
+class Noisy(Dataset[torch.Tensor]):
+    """Samples drawn from the RNG of the process that loads them (a DataLoader worker's, seeded by the loader)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(())
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_one_process_seeds_its_workers_as_the_plain_loader(persistent: bool) -> None:
+    def run(loader: Any) -> list[Any]:
+        return [[x.tolist() for x in loader] for _ in range(2)] + [torch.rand(2).tolist()]
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, persistent_workers=persistent)
+
+    ak.set_seed(0)
+    plain = run(make())
+    ak.set_seed(0)
+    assert run(prepare_dataloader(make())) == plain
+
+
+def _loaded_in_workers() -> tuple[list[float], list[float]]:
+    ak.set_seed(0)
+    mine = [v for x in ak.prepare(DataLoader(Noisy(), batch_size=2, num_workers=1)) for v in x.tolist()]
+    ak.set_seed(0)
+    plain = [v for x in DataLoader(Noisy(), batch_size=2, num_workers=1) for v in x.tolist()]
+    return mine, plain
+
+
+def test_each_rank_seeds_workers_of_its_own() -> None:
+    (zero, plain), (one, _) = run_distributed(_loaded_in_workers)  # the pool's workers cannot start processes
+    assert zero == plain[: len(zero)]  # rank 0's workers: the plain loader's seeds
+    assert len(one) == len(zero) == 4 and not set(one) & set(zero)  # rank 1's: a stream of their own
+
+
+def test_a_resumed_epoch_draws_nothing_again() -> None:
     ak.set_seed(0)
     loader = prepare_dataloader(DataLoader(range(20), batch_size=4, shuffle=True))
-    rng = torch.get_rng_state()
-    epochs = [[x.tolist() for x in loader] for _ in range(2)]
-    assert torch.equal(torch.get_rng_state(), rng)  # iterating never draws from the global RNG
-    assert epochs[0] != epochs[1]
+    whole = [[x.tolist() for x in loader] for _ in range(2)] + [torch.rand(2).tolist()]
     ak.set_seed(0)
-    again = prepare_dataloader(DataLoader(range(20), batch_size=4, shuffle=True))
-    assert [[x.tolist() for x in again] for _ in range(2)] == epochs
+    loader = prepare_dataloader(DataLoader(range(20), batch_size=4, shuffle=True))
+    seen = []
+    for x in loader:  # interrupted after 2 batches; the checkpoint holds the loader and the global RNG
+        seen.append(x.tolist())
+        if len(seen) == 2:
+            state, rng = loader.state_dict(), torch.get_rng_state()
+            break
+    ak.set_seed(5)
+    resumed = prepare_dataloader(DataLoader(range(20), batch_size=4, shuffle=True))
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # saved again before it runs: the same
+    torch.set_rng_state(rng)
+    rest = [[x.tolist() for x in resumed] for _ in range(2)] + [torch.rand(2).tolist()]
+    assert [seen + rest[0], *rest[1:]] == whole
 
 
 def test_a_user_generator_seeds_the_order() -> None:

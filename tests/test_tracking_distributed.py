@@ -79,6 +79,12 @@ def _draw_a_bar() -> str:
         for _ in bar:
             bar.set_postfix(loss=0.5)  # the bar's methods work on every rank
         bar.close()
+        # Accelerate's scripts: tqdm(range(max_train_steps)), moved by hand after each optimizer step.
+        steps = ak.progress(range(6), desc=f"steps-of-rank{ak.rank()}", mininterval=0)
+        steps.update(2)  # resumed after 2 steps
+        for _ in range(4):
+            steps.update(1)
+        steps.close()
         return sys.stderr.getvalue()
     finally:
         sys.stderr = before
@@ -90,6 +96,7 @@ def test_progress_draws_on_the_local_main_process_only(pool: WorkerPool) -> None
         pytest.skip("needs tqdm")
     err0, err1 = pool.run(_draw_a_bar)
     assert "bar-of-rank0" in err0 and "4/4" in err0
+    assert "steps-of-rank0" in err0 and "6/6" in err0
     assert err1 == ""
 
 

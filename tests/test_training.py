@@ -445,7 +445,9 @@ def train_with_accelkit(batch_size: int, steps: int, shuffle: bool, epochs: int 
     ak.set_seed(7)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(regression_data(), batch_size=batch_size, shuffle=shuffle)
+    # A shuffle with a generator is the same on any number of processes (without one: Accelerate's, which is not).
+    generator = torch.Generator().manual_seed(3) if shuffle else None
+    loader = torch.utils.data.DataLoader(regression_data(), batch_size=batch_size, shuffle=shuffle, generator=generator)
     model, opt, loader = ak.prepare(model, opt, loader)
     sched = ak.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
     lrs = []

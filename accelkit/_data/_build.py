@@ -1,10 +1,12 @@
 """Prepared DataLoaders: this rank's shard of every epoch, on the device; gather_for_metrics.
 
 ``ak.prepare(loader)`` calls :func:`prepare_dataloader`. Two processes with batch ``B``
-see at step ``k`` exactly the samples one process with batch ``2 * B`` sees (``_sampling``
-cuts the epochs), in a new order every epoch that is the same on every rank and the same
-for the same ``ak.set_seed`` (``_loader`` owns the generators and the bookkeeping that
-:func:`gather_for_metrics` and ``ak.accumulate`` read).
+see at step ``k`` exactly the samples one process with batch ``2 * B`` sees in the same order
+(``_sampling`` cuts the epochs), in a new order every epoch that is the same on every rank and
+the same for the same ``ak.set_seed``. The order and the global RNG's draws are those of
+Accelerate's prepared loader (with one process: of the plain loader), so a shuffle without a
+``generator`` differs with the number of processes, as there (``_loader`` owns the generators
+and the bookkeeping that :func:`gather_for_metrics` and ``ak.accumulate`` read).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import _collectives, _state, _tree
 from .._options import is_int
 from .._state import ProcessState
-from ._loader import ActiveLoader, LoaderPlan, PreparedDataLoader
+from ._loader import ActiveLoader, LoaderPlan, Order, PreparedDataLoader
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
 T = TypeVar("T")
@@ -36,14 +38,14 @@ def prepare_dataloader(
 ) -> DataLoader[Any]:
     """``loader`` rebuilt to yield this rank's shard of each epoch, on ``ak.device()``.
 
-    Every rank must call it, in the same order (rank 0's seed is broadcast once). Each
-    rank keeps the per-process batch size; rank ``r`` takes slice ``r`` of each global batch
-    (``batch_size * world_size`` samples of the sampler's order). The final global batch,
-    if incomplete: dropped with ``drop_last``; with ``even_batches`` (and several processes)
-    completed by wrapping around to the start of the epoch, so that every rank gets the same
-    number of full batches (:func:`gather_for_metrics` removes the added samples); without,
-    left uneven: the last ranks get a smaller batch or none, so they may run one step fewer
-    and every collective in the loop must then be guarded so that all ranks call it equally.
+    Every rank must call it, in the same order. Each rank keeps the per-process batch size;
+    rank ``r`` takes slice ``r`` of each global batch (``batch_size * world_size`` samples of the
+    sampler's order). The final global batch, if incomplete: dropped with ``drop_last``; with
+    ``even_batches`` (and several processes) completed by wrapping around to the start of the
+    epoch, so that every rank gets the same number of full batches (:func:`gather_for_metrics`
+    removes the added samples); without, left uneven: the last ranks get a smaller batch or none,
+    so they may run one step fewer and every collective in the loop must then be guarded so that
+    all ranks call it equally.
 
     ``split_batches=True`` (Accelerate's option of that name): the loader's ``batch_size`` is the
     global batch, split between the ranks (it must divide by the number of processes), so the
@@ -54,15 +56,18 @@ def prepare_dataloader(
     that generator, read when each epoch's iteration starts and advanced as the plain loader would
     (one process sees the same batches as the unprepared loader, and ``g.manual_seed(...)`` after
     prepare counts). Rank 0's state is broadcast into every rank's generator at that start, so
-    every rank must start each epoch; without one, it is reseeded every epoch
-    from one seed drawn at prepare time (after ``ak.set_seed``), or from ``data_seed`` when given
-    (the same order in every run, whatever the other seeds). ``set_epoch(epoch)`` is called on
-    samplers and datasets that have one. A custom sampler without a ``generator`` attribute must yield the same order on
-    every rank. A custom ``batch_sampler`` (or a ``BatchSampler`` passed as ``sampler`` with
-    ``batch_size=None``) is sharded by whole batches (rank ``r`` takes batches ``r, r + world,
-    ...``; even_batches repeats the first batches, counted in samples). Iterable datasets:
-    every rank reads the stream and keeps its slice of each global batch; with DataLoader
-    workers each worker's stream is sharded (and padded) on its own.
+    every rank must start each epoch. A sampler without one draws its order as Accelerate's prepared
+    loader does: from a generator seeded with one draw from the global RNG here (several processes;
+    rank 0's at each epoch's start), or at each epoch's start as the plain ``RandomSampler`` does (one
+    process); ``data_seed``: reseeded with ``data_seed + epoch`` (the same order in every run, whatever
+    the other seeds). Each iteration also draws the plain loader's base seed (for its workers) from the
+    loader's ``generator``, or the global RNG; rank ``r > 0`` seeds its workers from it and ``r``.
+    ``set_epoch(epoch)`` is called on samplers and datasets that have one. A custom sampler without
+    a ``generator`` attribute must yield the same order on every rank. A custom ``batch_sampler`` (or
+    a ``BatchSampler`` passed as ``sampler`` with ``batch_size=None``) is sharded by whole batches
+    (rank ``r`` takes batches ``r, r + world, ...``; even_batches repeats the first batches, counted
+    in samples). Iterable datasets: every rank reads the stream and keeps its slice of each global
+    batch; with DataLoader workers each worker's stream is sharded (and padded) on its own.
 
     Example:
         >>> import accelkit as ak, torch
@@ -105,29 +110,17 @@ def _prepare_map(
             "sharded whole between the processes; drop split_batches, or give the DataLoader a batch_size"
         )
     size = _split(size, st, split_batches)
-    used = _sampler_generator(base, batches)
-    follow = isinstance(used, torch.Generator) and data_seed is None
-    order_gen: torch.Generator | None = None
-    if follow:  # the sampler keeps drawing from the user's generator, read live at each epoch's start
-        order_gen = used
-    elif used is not _MISSING:  # torch's samplers have one (None: they draw a seed from the global RNG)
-        order_gen = torch.Generator()
-        base = _with_generator(base, batches, order_gen)
+    order, order_gen, base = _order(base, batches, st, data_seed)
     layout = Layout(st.rank, st.world_size, size, even=even_batches and st.world_size > 1, drop_last=drop)
     unbatched = loader.batch_sampler is None
     shard = ShardedBatchSampler(base, layout, batches=batches, unbatched=unbatched)
     ragged = batches or not (layout.even or drop)
     plan = _plan(st, loader, shard, order_gen, base, ragged=ragged, lookahead=False)
-    if follow:
-        plan = plan._replace(follow=True, draws_seed=loader.generator is used)
-        seed = _base_seed(torch.Generator().set_state(used.get_state()), st)  # a copy: the user's does not move
-    else:
-        drawn_from = used if isinstance(used, torch.Generator) else loader.generator
-        seed = data_seed if data_seed is not None else _base_seed(drawn_from, st)
+    plan = plan._replace(order=order, data_seed=data_seed)
     options = _loader_options(loader)
     if unbatched:
-        return PreparedDataLoader(loader.dataset, plan, seed, sampler=shard, batch_size=None, **options)
-    prepared = PreparedDataLoader(loader.dataset, plan, seed, batch_sampler=shard, **options)
+        return PreparedDataLoader(loader.dataset, plan, sampler=shard, batch_size=None, **options)
+    prepared = PreparedDataLoader(loader.dataset, plan, batch_sampler=shard, **options)
     if not batches:  # a batch_sampler makes DataLoader forget these; keep them for the user
         object.__setattr__(prepared, "batch_size", size)
         object.__setattr__(prepared, "drop_last", drop)
@@ -150,9 +143,9 @@ def _prepare_stream(
         )
     ragged = not (even or loader.drop_last)
     plan = _plan(st, loader, shard, None, loader.dataset, ragged=ragged, lookahead=in_workers)
-    seed = data_seed if data_seed is not None else _base_seed(loader.generator, st)
+    plan = plan._replace(data_seed=data_seed)
     options = _loader_options(loader)
-    return PreparedDataLoader(shard, plan, seed, batch_size=size, drop_last=loader.drop_last, **options)
+    return PreparedDataLoader(shard, plan, batch_size=size, drop_last=loader.drop_last, **options)
 
 
 def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
@@ -292,12 +285,29 @@ def _split(size: int, st: ProcessState, split_batches: bool) -> int:
     return size // st.world_size
 
 
-def _base_seed(generator: torch.Generator | None, st: ProcessState) -> int:
-    """One draw on every rank (their global RNG streams stay alike), rank 0's broadcast."""
-    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    if st.distributed:
-        seed = int(_collectives.broadcast(torch.tensor([seed], device=st.device)).item())
-    return seed
+def _order(
+    base: Any, batches: bool, st: ProcessState, data_seed: int | None
+) -> tuple[Order, torch.Generator | None, Any]:
+    """How the epochs' order is drawn, from which generator, and the sampler (copied) that draws it.
+
+    As Accelerate orders them, and with one process as the plain loader does: a sampler's own generator
+    is followed; a sampler without one (``shuffle=True`` without a ``generator``) draws its order from a
+    generator of ours, seeded with one draw from the global RNG at each epoch's start (the plain loader's
+    ``RandomSampler``; one process) or once, here (Accelerate's prepared loader; several processes).
+    """
+    used = _sampler_generator(base, batches)
+    if used is _MISSING:  # a sampler without a generator attribute: its order is its own
+        return "none", None, base
+    if isinstance(used, torch.Generator) and data_seed is None:  # read live at each epoch's start
+        return "follow", used, base
+    owned = torch.Generator()
+    base = _with_generator(base, batches, owned)
+    if data_seed is not None:
+        return "data_seed", owned, base
+    if st.world_size == 1:
+        return "epoch_seed", owned, base
+    owned.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))  # rank 0's wins at each epoch
+    return "follow", owned, base
 
 
 def _plan(
@@ -315,6 +325,7 @@ def _plan(
         order_generator=order_generator,
         epoch_target=epoch_target if callable(getattr(epoch_target, "set_epoch", None)) else None,
         rank=st.rank,
+        seed_source=loader.generator,
         broadcast_device=st.device if st.distributed else None,
         transfer=st.hardware.batch_transfer(st.device) if st.hardware is not None else None,
         ragged=st.world_size > 1 and ragged,
@@ -333,7 +344,7 @@ def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
         # Workers die with this rank (Linux), whatever ends it; the user's init function runs after.
         "worker_init_fn": LoaderWorkerLifeline(loader.worker_init_fn) if loader.num_workers else loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": torch.Generator(),  # owned: iterating never draws from the global RNG
+        "generator": torch.Generator(),  # owned: the workers' seeds, drawn as the plain loader draws them (see _loader)
         "prefetch_factor": loader.prefetch_factor,
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": loader.pin_memory_device,

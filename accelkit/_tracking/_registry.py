@@ -99,10 +99,12 @@ def require(name: str, call: str) -> None:
     """An ImportError with the install line when tracker ``name`` cannot start here."""
     if not is_installed(name):
         kind = KINDS[name]
+        # An error, where Accelerate skips the tracker (saying so at debug level): better a failed start than
+        # a run of hours that logs nowhere. "all" takes the installed ones.
         raise ImportError(
             f"{call}: the {name!r} tracker needs the {kind.package!r} package, which is not installed; "
             f"{kind.install}, or choose another tracker (installed: "
-            f"{', '.join(n for n in KINDS if is_installed(n))})"
+            f"{', '.join(n for n in KINDS if is_installed(n))}; log_with='all' starts those)"
         )
 
 

@@ -187,7 +187,7 @@ def end_training() -> None:
     if st is not None and st.is_main_process and _state.training.schedulers:
         from .._training import check_schedules
 
-        check_schedules(st.world_size)  # a schedule sized Accelerate's way (num_processes times too long)
+        check_schedules()  # a schedule sized Accelerate's way (num_processes times too long)
     saving: Exception | None = None
     if _state.training.saving is not None:
         from .._checkpoint import finish_saving

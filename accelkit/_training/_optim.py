@@ -14,13 +14,13 @@ optimizer's ``param_groups`` / ``state_dict()``, apply it first.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _state
+from ._schedule_check import watch
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -172,12 +172,16 @@ class PreparedScheduler:
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self._pending: tuple[Callable[[], bool], tuple[Any, ...], dict[str, Any]] | None = None
-        hardware = _state.get().hardware  # this process's, for as long as its optimizer is prepared
+        st = _state.get()
+        hardware = st.hardware  # this process's, for as long as its optimizer is prepared
         self._read_later: Callable[[torch.Tensor], bool | Callable[[], bool]] = (
             hardware.read_later if hardware is not None else _read_now
         )
         self._order = next(_PREPARED)  # check_schedules speaks of them in the order they were prepared
         _state.training.schedulers.add(self)  # ak.end_training checks its length (check_schedules)
+        # ... and its end, where ak.end_training is never called: judged once, on the main process.
+        several = st.world_size > 1 and st.is_main_process
+        self._end_check = watch(self, scheduler, st.world_size) if several else None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         training = _state.training
@@ -212,6 +216,9 @@ class PreparedScheduler:
         self._apply_pending()
         return self.scheduler.state_dict()  # type: ignore[no-any-return]
 
+    def __getstate__(self) -> dict[str, Any]:  # a copy is not judged again
+        return {k: None if k == "_end_check" else v for k, v in self.__dict__.items()}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._apply_pending()
         self.scheduler.load_state_dict(state_dict)
@@ -226,54 +233,13 @@ class PreparedScheduler:
         return f"PreparedScheduler({self.scheduler!r})"
 
 
-# Schedules whose length a scheduler states: its class name -> the attribute holding it.
-_LENGTHS = {"OneCycleLR": "total_steps", "CosineAnnealingLR": "T_max", "LinearLR": "total_iters",
-            "PolynomialLR": "total_iters", "ConstantLR": "total_iters"}  # fmt: skip
-
-
-def check_schedules(world_size: int) -> None:
-    """At ``ak.end_training``: warn, once each, of prepared schedules that end ``world_size`` times later than the run.
-
-    Accelerate steps the scheduler ``num_processes`` times per optimizer step, so its recipes size a
-    schedule ``num_processes`` times longer (``num_training_steps * accelerator.num_processes``, or the
-    unprepared loader's length); here the scheduler steps once per real step, so such a schedule is cut
-    off 1/N of the way through (a linear decay ends at (N-1)/N of its peak). Seen where the run's steps,
-    times the world size, reach the schedule's end: its stated length, or a ``LambdaLR`` whose factor
-    is still well above 0 now and 0 there.
-    """
-    if world_size < 2:
-        return
+def check_schedules() -> None:
+    """At ``ak.end_training``: judge every prepared schedule still alive, in the order they were prepared,
+    whether it was sized for ``num_processes`` times the run's steps (``_schedule_check``), once each."""
     for prepared in sorted(_state.training.schedulers, key=lambda p: p._order):
-        sched = prepared.scheduler
-        done = int(getattr(sched, "last_epoch", 0))
-        if done < 2:
-            continue
-        length = getattr(sched, _LENGTHS.get(type(sched).__name__, ""), None)
-        if isinstance(length, int):
-            stretched = abs(length - done * world_size) <= world_size and length > done
-        else:
-            stretched = _factor_ends_at(sched, done, done * world_size)
-        if stretched:
-            warnings.warn(
-                f"{type(sched).__name__} was sized for {done * world_size} optimizer steps but the run took {done} "
-                f"({world_size}x fewer, {world_size} processes): its schedule stopped 1/{world_size} of the way "
-                f"through. accelkit steps a prepared scheduler once per real optimizer step (Accelerate steps it "
-                f"num_processes times), so size it from the prepared loader, without * num_processes: "
-                f"num_training_steps = math.ceil(len(loader) / accumulation_steps) * epochs",
-                UserWarning,
-                stacklevel=3,
-            )
-
-
-def _factor_ends_at(sched: Any, now: int, end: int) -> bool:
-    """A ``LambdaLR``-like schedule whose factors are still well above 0 at step ``now`` and 0 at ``end``."""
-    lambdas = getattr(sched, "lr_lambdas", None)
-    if not isinstance(lambdas, list) or not lambdas:
-        return False
-    try:
-        return all(float(f(now)) > 0.05 and abs(float(f(end))) < 1e-9 for f in lambdas)
-    except Exception:  # a schedule that cannot be asked about another step: nothing to say
-        return False
+        if prepared._end_check is not None:
+            prepared._apply_pending()  # a step still waiting for its optimizer's outcome counts
+            prepared._end_check()
 
 
 def _read_now(flag: torch.Tensor) -> bool:  # a state built by hand (tests) has no hardware backend
