@@ -313,8 +313,20 @@ def clip_grad_norm_(
         return norm / scale if scale is not None else norm
     strategy.unscale()
     norm = _total_norm(params, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    for same_mesh in _by_mesh(params):  # torch's foreach multiply takes the DTensors of one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, norm)
     return norm
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by their gradients' device mesh (plain tensors together): one group but on a mesh
+    whose FSDP x TP parameters sit on the 2-D mesh and the others (tensor parallelism left them) on its dp part."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return [params]
+    groups: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
+    return list(groups.values())
 
 
 def _total_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -348,7 +360,8 @@ def _sharded_norm(grads: list[Any], norm_type: float) -> torch.Tensor:
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     mesh = grads[0].device_mesh
     for dim, placement in enumerate(grads[0].placements):
-        if placement.is_shard():
+        # Sharded: Shard, and FSDP x TP's strided shard (not a Shard in recent torch).
+        if not (placement.is_replicate() or placement.is_partial()):
             dist.all_reduce(power, op=op, group=mesh.get_group(dim))
     return power if norm_type in (0, math.inf) else power ** (1.0 / norm_type)
 
