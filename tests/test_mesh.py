@@ -146,6 +146,6 @@ def test_the_mesh_names_its_dimensions(pool4: WorkerPool) -> None:
 def test_one_process_has_no_mesh_and_keeps_the_plan_checked() -> None:
     assert ak.mesh() is None
     model = ak.prepare(make_net(), tp_plan=PLAN, activation_checkpointing=["Block"])
-    x, y = tokens()[:2]
+    x, _ = tokens()[:2]
     model(x).sum().backward()  # recomputed blocks still give gradients
     assert all(p.grad is not None for p in model.parameters())
