@@ -149,3 +149,18 @@ def test_one_process_has_no_mesh_and_keeps_the_plan_checked() -> None:
     x, _ = tokens()[:2]
     model(x).sum().backward()  # recomputed blocks still give gradients
     assert all(p.grad is not None for p in model.parameters())
+
+
+def prepare_without_a_plan() -> str:
+    ak.init(dp_shard=2, tp=2)
+    try:
+        ak.prepare(make_net())
+    except ak.ConfigurationError as exc:
+        return str(exc)
+    return "prepared"
+
+
+def test_tensor_parallelism_without_a_plan_is_refused_saying_how(pool4: WorkerPool) -> None:
+    for message in pool4.run(prepare_without_a_plan):
+        assert message.startswith("accelkit.prepare(Net): tp=2 splits each layer over 2 processes, and this model")
+        assert "pass tp_plan, e.g. ak.prepare(model, tp_plan=" in message

@@ -170,7 +170,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
 
     from .._strategies import check_layout, select_strategy
 
-    check_layout(options, launch.world_size, launch.local_world_size, device)  # before the group forms
+    check_layout(options, launch.world_size, launch.local_world_size, device, "accelkit.init")  # before the group
     if dist.is_available() and dist.is_initialized():
         from .. import _group
 

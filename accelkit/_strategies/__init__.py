@@ -38,16 +38,16 @@ __all__ = [
 
 
 def check_layout(
-    options: Options, world_size: int, local_world_size: int | None, device: torch.device
+    options: Options, world_size: int, local_world_size: int | None, device: torch.device, call: str = ""
 ) -> MeshSizes | None:
     """The mesh's sizes (None: no mesh), refusing a layout or a torch that cannot run it; before the group forms."""
-    sizes = mesh_sizes(options, world_size, local_world_size)
+    sizes = mesh_sizes(options, world_size, local_world_size, call)
     if sizes is not None and world_size > 1:
         import torch
 
         refusal = torch_version_refusal(device.type == "cpu", torch.__version__)
         if refusal:
-            raise ConfigurationError(refusal)
+            raise ConfigurationError(f"{call}: {refusal}" if call else refusal)
     return sizes
 
 
