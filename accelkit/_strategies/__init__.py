@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigurationError
-from ._protocol import Setup, Skipped, Strategy
-from .layout import LAYOUT_OPTIONS
+from ._protocol import LAYOUT_OPTIONS, Setup, Skipped, Strategy
 from .mesh_sizes import MESH_NAMES, MeshSizes, mesh_sizes, on_mesh, torch_version_refusal
 
 if TYPE_CHECKING:

@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 
     from .._options import Options
 
-__all__ = ["Setup", "Skipped", "Strategy"]
+__all__ = ["LAYOUT_OPTIONS", "Setup", "Skipped", "Strategy"]
+
+# ak.prepare's options that lay a model out (passed in Strategy.setup's model_options, beside DDP's).
+LAYOUT_OPTIONS = ("tp_plan", "activation_checkpointing")
 
 # What Strategy.setup returns: the models, optimizers and schedulers to hand back (in order).
 Setup = tuple[list[Any], list[Any], list[Any]]

@@ -20,10 +20,10 @@ from torch import nn
 
 from .._options import suggest, validate
 from ..errors import ConfigurationError
+from ._protocol import LAYOUT_OPTIONS
 
-__all__ = ["LAYOUT_OPTIONS", "Layout", "apply_plan", "check_plan", "checkpoint_modules", "split_layout"]
+__all__ = ["Layout", "apply_plan", "check_plan", "checkpoint_modules", "split_layout"]
 
-LAYOUT_OPTIONS = ("tp_plan", "activation_checkpointing")
 _CALL = "accelkit.prepare"
 # transformers' names of plan entries that torch's styles implement as they are.
 _STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
@@ -57,7 +57,7 @@ def check_plan(model: nn.Module, plan: Any) -> dict[str, Any] | Callable[..., An
     """``plan`` for ``model``: a callable as it is, else ``{module name: ParallelStyle}`` with every
     pattern matched and every style resolved. Raises ConfigurationError naming what does not fit."""
     if plan is None or callable(plan):
-        return plan
+        return plan  # type: ignore[no-any-return]
     if plan == "auto":
         plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
         if not isinstance(plan, Mapping) or not plan:
@@ -162,5 +162,5 @@ def checkpoint_modules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Modu
     for module in chosen:
         inner = module.__dict__.get("forward")
         if not isinstance(inner, _Recompute):
-            module.forward = _Recompute(module, inner)  # type: ignore[method-assign]
+            module.forward = _Recompute(module, inner)
     return chosen

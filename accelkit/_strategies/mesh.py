@@ -74,7 +74,7 @@ class Mesh(FSDP):
             import torch.distributed as dist
 
             groups = data_parallel_ranks(self.sizes)
-            self._dp_group, _ = dist.new_subgroups_by_enumeration(groups)
+            self._dp_group, _ = dist.new_subgroups_by_enumeration(groups)  # type: ignore[no-untyped-call]
         return self._dp_group
 
     def lay_out(self, model: nn.Module, layout: Layout) -> nn.Module:
