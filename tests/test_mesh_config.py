@@ -185,3 +185,14 @@ def test_a_mesh_is_written_by_accelkit_config_default_keys(tmp_path: Path) -> No
     path = write_config({"tp": 2, "dp_shard": -1}, tmp_path / "w.yaml")
     assert load_config(path).state == {"tp": 2, "dp_shard": -1}
     assert "tp: 2" in textwrap.dedent(path.read_text())
+
+
+def test_accelerates_hybrid_shard_is_hsdp_across_the_machines(tmp_path: Path) -> None:
+    file = tmp_path / "hybrid.yaml"
+    head = "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 8\n"
+    file.write_text(head + "num_machines: 2\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
+    config = load_config(file)
+    assert config.state["dp_replicate"] == 2 and config.launch["num_processes"] == 4
+    assert mesh_sizes(Options()._replace(**config.state), 8, 4) == (2, 4, 1, 1)
+    file.write_text(head + "num_machines: 1\nfsdp_config:\n  fsdp_sharding_strategy: 4\n")  # FSDP1's number
+    assert "dp_replicate" not in load_config(file).state, "one machine: FSDP over all its processes"

@@ -64,13 +64,14 @@ _FSDP_MAPPED = (
     "fsdp_offload_params",
     "fsdp_activation_checkpointing",
 )
+_HYBRID = "HSDP: replicated across the machines, sharded within each (dp_replicate=num_machines)"
 # sharding strategy (name or FSDP1's enum number) -> reshard after forward, note
 _SHARDING: dict[object, tuple[bool | None, str | None]] = {
     "FULL_SHARD": (True, None),
     "SHARD_GRAD_OP": (False, None),
     "NO_SHARD": (None, "NO_SHARD replicates the model: the run uses DDP"),
-    "HYBRID_SHARD": (True, "hybrid sharding is not supported: parameters are sharded over all processes"),
-    "HYBRID_SHARD_ZERO2": (False, "hybrid sharding is not supported: parameters are sharded over all processes"),
+    "HYBRID_SHARD": (True, _HYBRID),
+    "HYBRID_SHARD_ZERO2": (False, _HYBRID),
 }
 _SHARDING.update({i + 1: v for i, v in enumerate(list(_SHARDING.values()))})
 _DS_INLINE = (
@@ -143,6 +144,11 @@ def from_accelerate(f: Fields, file: Path) -> tuple[dict[str, object], dict[str,
             f.ignore(key, f"used only with distributed_type: {wanted}" if _asks(f.values.get(key)) else None)
     if kind == "FSDP":
         state.update(_fsdp(f.nested("fsdp_config")))
+        if _HYBRID in f.notes.values() and (machines or 1) > 1:
+            state["dp_replicate"] = machines  # dp_shard: the processes of a machine
+        elif _HYBRID in f.notes.values():
+            key = next(k for k, v in f.notes.items() if v == _HYBRID)
+            f.notes[key] = "one machine: sharded over all its processes (HSDP replicates across machines)"
     state.update(_parallelism(f.nested("parallelism_config")))
     if kind == "DEEPSPEED":
         state.update(_deepspeed(f, f.nested("deepspeed_config"), file))
