@@ -124,7 +124,7 @@ def test_collectives_over_the_data_parallel_group(pool4: WorkerPool) -> None:
 
 
 def groups_of_the_mesh() -> dict[str, Any]:
-    ak.init(dp_replicate=2, dp_shard=2)
+    ak.init(dp_replicate=2, dp_shard=2, tp=1)
     import torch.distributed as dist
 
     mesh = ak.mesh()
@@ -141,6 +141,20 @@ def test_the_mesh_names_its_dimensions(pool4: WorkerPool) -> None:
     runs = pool4.run(groups_of_the_mesh)
     assert runs[0] == {"names": ("dp_replicate", "dp_shard"), "shard": [0, 1], "replicate": [0, 2], "strategy": "fsdp"}
     assert runs[3]["shard"] == [2, 3] and runs[3]["replicate"] == [1, 3]
+
+
+def pickled_state_under_tensor_parallelism() -> list[int]:
+    import pickle
+
+    ak.init(tp=4)
+    loader = ak.prepare(torch.utils.data.DataLoader(range(6), batch_size=2))  # forms the data-parallel groups
+    copy = pickle.loads(pickle.dumps(ak.state()))  # ak.state() pickles, whatever groups its strategy formed
+    assert copy.strategy.sizes == ak.state().strategy.sizes  # type: ignore[attr-defined]
+    return [x for batch in loader for x in batch.tolist()]
+
+
+def test_tensor_parallelism_alone_gives_every_rank_every_batch(pool4: WorkerPool) -> None:
+    assert pool4.run(pickled_state_under_tensor_parallelism) == [list(range(6))] * 4
 
 
 def test_one_process_has_no_mesh_and_keeps_the_plan_checked() -> None:
@@ -164,3 +178,11 @@ def test_tensor_parallelism_without_a_plan_is_refused_saying_how(pool4: WorkerPo
     for message in pool4.run(prepare_without_a_plan):
         assert message.startswith("accelkit.prepare(Net): tp=2 splits each layer over 2 processes, and this model")
         assert "pass tp_plan, e.g. ak.prepare(model, tp_plan=" in message
+
+
+def test_fp16_on_a_mesh_scales_unscales_and_steps(pool4: WorkerPool) -> None:
+    runs = pool4.run(train_on_mesh, BATCH, 2, 1, "fp16", False, dp_shard=2, tp=2)
+    ref = train_reference(BATCH * 2, 2)  # fp32: fp16's gradients, unscaled before clipping, come close
+    for run in runs:
+        assert_close(run["params"], ref["params"], atol=2e-2)
+        torch.testing.assert_close(run["norms"], ref["norms"], atol=2e-2, rtol=0)

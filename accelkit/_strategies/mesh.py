@@ -43,6 +43,11 @@ class Mesh(FSDP):
         self._dp_group: Any = None  # the data-parallel group when no mesh dimension is it (HSDP x TP)
         self._layouts: dict[int, tuple[Layout, dict[str, nn.Parameter]]] = {}  # id(model) -> until wrapped
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_dp_group"], state["_layouts"] = None, {}  # this process's group, and models being prepared
+        return state
+
     def device_mesh(self) -> Any:
         """The mesh (its dimensions larger than 1, and dp_shard beside dp_replicate), made on first use."""
         if self._mesh is None:
