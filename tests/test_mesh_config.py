@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -196,3 +197,21 @@ def test_accelerates_hybrid_shard_is_hsdp_across_the_machines(tmp_path: Path) ->
     assert mesh_sizes(Options()._replace(**config.state), 8, 4) == (2, 4, 1, 1)
     file.write_text(head + "num_machines: 1\nfsdp_config:\n  fsdp_sharding_strategy: 4\n")  # FSDP1's number
     assert "dp_replicate" not in load_config(file).state, "one machine: FSDP over all its processes"
+
+
+def test_auto_reads_a_transformers_configs_base_plan_under_its_prefix() -> None:
+    class Config:
+        base_model_tp_plan: ClassVar[dict[str, str]] = {"blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"}
+
+    class ForLM(torch.nn.Module):  # as transformers builds one: the base model under base_model_prefix
+        base_model_prefix = "model"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config, self.model = Config(), make_net()
+
+    lm = ForLM()
+    assert ak.prepare(lm, tp_plan="auto") is lm  # its patterns, under "model.", name modules that exist
+    Config.base_model_tp_plan = {"blocks.*.mlp.upp": "colwise"}
+    with pytest.raises(ConfigurationError, match=r"'model\.blocks\.\*\.mlp\.upp' names no module of ForLM"):
+        ak.prepare(ForLM(), tp_plan="auto")

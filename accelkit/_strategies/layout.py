@@ -59,7 +59,7 @@ def check_plan(model: nn.Module, plan: Any) -> dict[str, Any] | Callable[..., An
     if plan is None or callable(plan):
         return plan  # type: ignore[no-any-return]
     if plan == "auto":
-        plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+        plan = _carried_plan(model)
         if not isinstance(plan, Mapping) or not plan:
             raise ConfigurationError(
                 f"{_CALL}(tp_plan='auto'): {type(model).__name__} carries no tensor-parallel plan (transformers "
@@ -98,6 +98,19 @@ def apply_plan(model: nn.Module, plan: Any, tp_mesh: Any) -> nn.Module:
     if checked:
         parallelize_module(model, tp_mesh, checked)
     return model
+
+
+def _carried_plan(model: nn.Module) -> Any:
+    """The plan a transformers model carries: ``model.tp_plan``, else its config's ``base_model_tp_plan``
+    (names relative to the base model, ``model.<base_model_prefix>``)."""
+    plan = getattr(model, "tp_plan", None)
+    if plan:
+        return plan
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    if isinstance(base, Mapping) and prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return {f"{prefix}.{name}": style for name, style in base.items()}
+    return base
 
 
 def _matches(name: str, pattern: str) -> bool:
