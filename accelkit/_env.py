@@ -27,6 +27,11 @@ FSDP_MIN_PARAMS = "ACCELKIT_FSDP_MIN_PARAMS"
 FSDP_RESHARD_AFTER_FORWARD = "ACCELKIT_FSDP_RESHARD_AFTER_FORWARD"
 FSDP_CPU_OFFLOAD = "ACCELKIT_FSDP_CPU_OFFLOAD"
 DEEPSPEED_CONFIG = "ACCELKIT_DEEPSPEED_CONFIG"
+DP_REPLICATE = "ACCELKIT_DP_REPLICATE"  # the device mesh's sizes
+DP_SHARD = "ACCELKIT_DP_SHARD"
+TP = "ACCELKIT_TP"
+CP = "ACCELKIT_CP"
+ACTIVATION_CHECKPOINTING = "ACCELKIT_ACTIVATION_CHECKPOINTING"  # module class names, comma-separated
 COMM_HOOK = "ACCELKIT_COMM_HOOK"  # DDP's gradient communication hook: fp16, bf16, power_sgd, ...
 COMM_WRAPPER = "ACCELKIT_COMM_WRAPPER"
 COMM_HOOK_OPTIONS = "ACCELKIT_COMM_HOOK_OPTIONS"  # JSON, e.g. {"matrix_approximation_rank": 2}
@@ -71,6 +76,11 @@ OPTION_VARIABLES = {
     "fsdp_reshard_after_forward": FSDP_RESHARD_AFTER_FORWARD,
     "fsdp_cpu_offload": FSDP_CPU_OFFLOAD,
     "deepspeed_config": DEEPSPEED_CONFIG,
+    "dp_replicate": DP_REPLICATE,
+    "dp_shard": DP_SHARD,
+    "tp": TP,
+    "cp": CP,
+    "activation_checkpointing": ACTIVATION_CHECKPOINTING,
     "comm_hook": COMM_HOOK,
     "comm_wrapper": COMM_WRAPPER,
     "comm_hook_options": COMM_HOOK_OPTIONS,

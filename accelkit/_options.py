@@ -59,6 +59,12 @@ class Options(NamedTuple):
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
     deepspeed_config: str | None = None  # a JSON file path, or JSON text
+    # The device mesh (any set: the model goes on a mesh, FSDP2 over its data-parallel dimensions).
+    dp_replicate: int = 1  # data-parallel replicas (HSDP's replicate dimension)
+    dp_shard: int = -1  # data-parallel shards; -1: the processes the other dimensions leave
+    tp: int = 1  # tensor parallelism (ak.prepare's tp_plan)
+    cp: int = 1  # context parallelism (refused: see accelkit._strategies.mesh_sizes)
+    activation_checkpointing: tuple[str, ...] = ()  # module class names whose forward is recomputed in backward
     # DDP's gradient communication hook (ak.prepare registers it; its comm_hook= option wins).
     comm_hook: CommHookName = "no"
     comm_wrapper: CommWrapperName = "no"  # fp16/bf16 compression around a PowerSGD hook
@@ -115,6 +121,11 @@ class StateOptions(TypedDict, total=False):
     fsdp_reshard_after_forward: bool | None
     fsdp_cpu_offload: bool | None
     deepspeed_config: str | os.PathLike[str] | Mapping[str, Any] | None
+    dp_replicate: int | None
+    dp_shard: int | None
+    tp: int | None
+    cp: int | None
+    activation_checkpointing: str | Sequence[str | type] | None
     comm_hook: CommHookName | None
     comm_wrapper: CommWrapperName | None
     comm_hook_options: str | Mapping[str, Any] | None
@@ -217,6 +228,10 @@ _INTEGERS: dict[str, tuple[int, int | None, str]] = {
     "node_rank": (0, None, "this machine's rank, from 0 to num_nodes - 1"),
     "master_port": (1, 65535, "a free TCP port on node 0, e.g. 29500"),
     "max_restarts": (0, None, "0 restarts nothing"),
+    "dp_replicate": (1, None, "the data-parallel replicas, e.g. 2 (1: none)"),
+    "dp_shard": (-1, None, "the data-parallel shards, e.g. 4, or -1 for the processes the other sizes leave"),
+    "tp": (1, None, "the processes that split each layer, e.g. 2 (1: no tensor parallelism)"),
+    "cp": (1, None, "1 (context parallelism is not supported)"),
 }
 # name -> (valid values, a hint); backend and start_method may also be None
 _CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -252,8 +267,8 @@ def _integer(name: str, value: object, call: str) -> object:
     if name == "fsdp_min_params" and isinstance(value, float) and value.is_integer():
         value = int(value)  # 1e6 is a fine parameter count
     span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
-    if not is_int(value) or value < low or (high is not None and value > high):
-        raise _bad(call, name, value, span, fix)
+    if not is_int(value) or value < low or (high is not None and value > high) or (name == "dp_shard" and value == 0):
+        raise _bad(call, name, value, span + (", not 0" if name == "dp_shard" else ""), fix)
     return value
 
 
@@ -277,9 +292,9 @@ def _text(name: str, value: object, call: str) -> object:
     return os.fspath(value).strip()
 
 
-def _fsdp_wrap(name: str, value: object, call: str) -> object:
+def _class_names(name: str, value: object, call: str) -> object:
     items = value.split(",") if isinstance(value, str) else value
-    fix = "e.g. fsdp_wrap=[TransformerBlock] or fsdp_wrap='Block,Head'"
+    fix = f"e.g. {name}=[TransformerBlock] or {name}='Block,Head'"
     if not isinstance(items, (list, tuple)):
         raise _bad(call, name, value, "module classes or class names", fix)
     names = []
@@ -350,7 +365,8 @@ _RULES: dict[str, Callable[[str, object, str], object]] = {
     "hostfile": _text,
     "project_dir": _text,
     "log_with": _log_with,
-    "fsdp_wrap": _fsdp_wrap,
+    "fsdp_wrap": _class_names,
+    "activation_checkpointing": _class_names,
     "deepspeed_config": _deepspeed_config,
     "comm_hook_options": _comm_hook_options,
     "gpu_ids": _gpu_ids,

@@ -6,7 +6,7 @@ import builtins
 import contextlib
 import random
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import torch
 from typing_extensions import ParamSpec
@@ -14,6 +14,9 @@ from typing_extensions import ParamSpec
 from . import _state
 from ._options import is_int
 from ._state import ProcessState
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -27,6 +30,7 @@ __all__ = [
     "local_main_process_first",
     "local_rank",
     "main_process_first",
+    "mesh",
     "on_local_main_process",
     "on_main_process",
     "on_process",
@@ -97,6 +101,26 @@ def strategy() -> RunningStrategy:
     """
     chosen = _state.strategy()
     return cast(RunningStrategy, chosen.name)
+
+
+def mesh() -> DeviceMesh | None:
+    """This job's device mesh: torch's ``DeviceMesh``, its dimensions named; None with one process.
+
+    With the mesh's sizes set (``dp_replicate``, ``dp_shard``, ``tp``), its dimensions are those
+    larger than 1, outermost first: ``"dp_replicate"``, ``"dp_shard"`` (beside ``dp_replicate``
+    always: HSDP's), ``"tp"``. Without: one dimension over every process, ``"dp_shard"`` under
+    FSDP, ``"dp_replicate"`` under DDP. ``ak.mesh()["tp"].get_group()`` is torch's process group of
+    that dimension. Every rank must call it the first time (it forms the mesh's groups).
+
+    Example:
+        >>> import accelkit as ak
+        >>> ak.mesh() is None  # one process
+        True
+    """
+    if not _state.get().distributed:
+        return None
+    found: DeviceMesh | None = _state.strategy().device_mesh()
+    return found
 
 
 def wait_for_everyone() -> None:

@@ -30,7 +30,7 @@ from _common import Row  # noqa: E402
 
 SECTIONS: list[str] = [
     "import_time", "launch_time", "collectives", "train_step", "checkpoint", "sharding_memory", "tracking",
-    "gpu_step", "scale",
+    "gpu_step", "scale", "mesh",
 ]  # fmt: skip
 
 COLUMNS = ("section", "name", "accelkit", "reference", "diff", "ratio", "target", "n")

@@ -54,7 +54,7 @@ def test_the_public_names_are_held() -> None:
         "check_breakpoint clip_grad_norm_ clip_grad_value_ device distributed end_training "
         "find_executable_batch_size free_memory full_state_dict gather gather_for_metrics gather_object get_logger "
         "get_tracker init init_trackers is_initialized is_local_main_process is_main_process latest_checkpoint "
-        "launch load_state local_main_process_first local_rank local_sgd log main_process_first no_sync "
+        "launch load_state local_main_process_first local_rank local_sgd log main_process_first mesh no_sync "
         "on_local_main_process on_main_process on_process pad_across_processes precision prepare print profile "
         "progress rank read_checkpoint reduce reset_state save_model save_state set_breakpoint set_seed "
         "skip_first_batches split_between_processes state strategy sync_gradients unwrap wait_for_checkpoint "

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["STATE_FLAGS", "Script", "print_warnings", "read_launch"]
 
 # State options that have a flag; their values reach the workers as ACCELKIT_* variables.
-STATE_FLAGS = ("precision", "gradient_accumulation_steps", "debug", "cpu", "strategy", "log_with", "project_dir")
+STATE_FLAGS = ("precision", "gradient_accumulation_steps", "debug", "cpu", "strategy", "log_with", "project_dir",
+               "dp_replicate", "dp_shard", "tp", "cp")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ examples:
   accelkit launch --mpirun -n 4 --hostfile hosts train.py
   accelkit launch -n 2 -m mypackage.train       run a module, like python -m
   accelkit launch -n 2 --log-with tensorboard,csv train.py   curves under runs/
+  accelkit launch -n 4 --dp-shard 2 --tp 2 train.py   FSDP x tensor parallelism
 """
 
 
@@ -105,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="micro-steps per optimizer step (default: 1)",
     )
     opts.add_argument("--strategy", choices=STRATEGIES, help="how ak.prepare wraps the model (default: ddp)")
+    mesh = parser.add_argument_group("device mesh (their product: the number of processes)")
+    mesh.add_argument("--dp-replicate", type=int_at_least(1), metavar="N", help="data-parallel replicas (default: 1)")
+    mesh.add_argument(
+        "--dp-shard", type=int_at_least(-1), metavar="N", help="data-parallel shards; -1: the rest (default: -1)"
+    )
+    mesh.add_argument("--tp", type=int_at_least(1), metavar="N", help="tensor-parallel size (default: 1)")
+    mesh.add_argument("--cp", type=int_at_least(1), metavar="N", help=argparse.SUPPRESS)
     opts.add_argument("--cpu", action="store_true", default=None, help="run on the CPU even when GPUs are present")
     opts.add_argument(
         "--debug", action="store_true", default=None, help="check collectives across ranks, print what is launched"
@@ -143,7 +151,12 @@ def _accelerate_spellings(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--use_deepspeed", dest="strategy", action="store_const", const="deepspeed", default=None, help=hidden
     )
-    # Data parallelism over the visible GPUs is what accelkit launch does anyway.
+    for size, dest in (("dp_replicate", "dp_replicate"), ("dp_shard", "dp_shard"), ("tp", "tp"), ("cp", "cp")):
+        parser.add_argument(
+            f"--parallelism_config_{size}_size", dest=dest, type=int_at_least(1), default=None, help=hidden
+        )
+    # The mesh's sizes say it; and data parallelism over the visible GPUs is what accelkit launch does anyway.
+    parser.add_argument("--use_parallelism_config", dest="use_parallelism_config", action="store_true", help=hidden)
     parser.add_argument("--multi_gpu", dest="multi_gpu", action="store_true", help=hidden)
 
 

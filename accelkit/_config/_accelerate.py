@@ -28,7 +28,7 @@ _UNSUPPORTED = (
 _MAPPED = (
     "compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank", "main_process_ip",
     "main_process_port", "mixed_precision", "debug", "use_cpu", "rdzv_backend", "gpu_ids", "mpirun_config",
-    "fsdp_config", "deepspeed_config", "gradient_accumulation_steps",
+    "fsdp_config", "deepspeed_config", "gradient_accumulation_steps", "parallelism_config",
 )  # fmt: skip
 # key -> a note, shown only when the value asks for something accelkit does not do
 _IGNORED: dict[str, str | None] = {
@@ -44,7 +44,6 @@ _IGNORED: dict[str, str | None] = {
     "dynamo_backend": "accelkit does not compile models; call torch.compile(model) in the script",
     "ipex_config": "not applied; accelkit does not use IPEX",
     "fp8_config": "fp8 follows torch's own recipe; the fp8 backend settings are not applied",
-    "parallelism_config": "not applied; accelkit shards with one data-parallel dimension",
 }
 _FSDP_IGNORED: dict[str, str | None] = {
     "fsdp_version": None,
@@ -55,7 +54,6 @@ _FSDP_IGNORED: dict[str, str | None] = {
     "fsdp_backward_prefetch": None,
     "fsdp_backward_prefetch_policy": None,
     "fsdp_forward_prefetch": None,
-    "fsdp_activation_checkpointing": "not applied; wrap blocks with torch.utils.checkpoint in the model",
 }
 _FSDP_MAPPED = (
     "fsdp_auto_wrap_policy",
@@ -64,14 +62,16 @@ _FSDP_MAPPED = (
     "fsdp_reshard_after_forward",
     "fsdp_sharding_strategy",
     "fsdp_offload_params",
+    "fsdp_activation_checkpointing",
 )
+_HYBRID = "HSDP: replicated across the machines, sharded within each (dp_replicate=num_machines)"
 # sharding strategy (name or FSDP1's enum number) -> reshard after forward, note
 _SHARDING: dict[object, tuple[bool | None, str | None]] = {
     "FULL_SHARD": (True, None),
     "SHARD_GRAD_OP": (False, None),
     "NO_SHARD": (None, "NO_SHARD replicates the model: the run uses DDP"),
-    "HYBRID_SHARD": (True, "hybrid sharding is not supported: parameters are sharded over all processes"),
-    "HYBRID_SHARD_ZERO2": (False, "hybrid sharding is not supported: parameters are sharded over all processes"),
+    "HYBRID_SHARD": (True, _HYBRID),
+    "HYBRID_SHARD_ZERO2": (False, _HYBRID),
 }
 _SHARDING.update({i + 1: v for i, v in enumerate(list(_SHARDING.values()))})
 _DS_INLINE = (
@@ -144,6 +144,12 @@ def from_accelerate(f: Fields, file: Path) -> tuple[dict[str, object], dict[str,
             f.ignore(key, f"used only with distributed_type: {wanted}" if _asks(f.values.get(key)) else None)
     if kind == "FSDP":
         state.update(_fsdp(f.nested("fsdp_config")))
+        if _HYBRID in f.notes.values() and (machines or 1) > 1:
+            state["dp_replicate"] = machines  # dp_shard: the processes of a machine
+        elif _HYBRID in f.notes.values():
+            key = next(k for k, v in f.notes.items() if v == _HYBRID)
+            f.notes[key] = "one machine: sharded over all its processes (HSDP replicates across machines)"
+    state.update(_parallelism(f.nested("parallelism_config")))
     if kind == "DEEPSPEED":
         state.update(_deepspeed(f, f.nested("deepspeed_config"), file))
     if kind == "MULTI_CPU":
@@ -202,7 +208,47 @@ def _fsdp(f: Fields) -> dict[str, object]:
         if note:
             f.notes[f.prefix + key] = note
     out["fsdp_cpu_offload"] = f.flag("fsdp_offload_params")
+    if f.flag("fsdp_activation_checkpointing"):
+        if classes:
+            out["activation_checkpointing"] = classes
+        else:
+            f.ignored.append(f.prefix + "fsdp_activation_checkpointing")
+            f.notes[f.prefix + "fsdp_activation_checkpointing"] = (
+                "accelkit recomputes the layers it is told: name them in fsdp_transformer_layer_cls_to_wrap, "
+                "or pass ak.prepare(model, activation_checkpointing=['Block'])"
+            )
     return {k: v for k, v in out.items() if v is not None}
+
+
+_MESH_KEYS = {"dp_replicate_size": "dp_replicate", "dp_shard_size": "dp_shard", "tp_size": "tp", "cp_size": "cp"}
+# parallelism_config keys of DeepSpeed's sequence parallelism and of context parallelism's settings.
+_PARALLELISM_IGNORED = (
+    "cp_backend", "cp_comm_strategy", "sp_backend", "sp_seq_length", "sp_seq_length_is_variable",
+    "sp_attn_implementation",
+)  # fmt: skip
+
+
+def _parallelism(f: Fields) -> dict[str, object]:
+    """Accelerate's ``parallelism_config`` (``parallelism_config_tp_size: 2``, ...) as the mesh's sizes.
+
+    Accelerate's unset sizes are 1 (not "the rest"); all of them 1 is no mesh.
+    """
+    prefix = "parallelism_config_"
+    f.check_known([prefix + k for k in (*_MESH_KEYS, "sp_size", *_PARALLELISM_IGNORED)])
+    for key in _PARALLELISM_IGNORED:
+        f.ignore(prefix + key)
+    sp = f.integer(prefix + "sp_size", 1, example=1)
+    if sp is not None and sp > 1:
+        raise f.error(
+            prefix + "sp_size",
+            f"{sp}: DeepSpeed's sequence parallelism (Ulysses) is not supported by accelkit; set it to 1, and use "
+            f"parallelism_config_tp_size to split the layers, or run this job with `accelerate launch`",
+        )
+    f.ignore(prefix + "sp_size")
+    sizes = {name: f.integer(prefix + key, 1, example=2) for key, name in _MESH_KEYS.items()}
+    if all(size in (None, 1) for size in sizes.values()):
+        return {}
+    return {name: 1 if size is None else size for name, size in sizes.items()}
 
 
 def _deepspeed(top: Fields, f: Fields, file: Path) -> dict[str, object]:

@@ -226,6 +226,13 @@ def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
         "fsdp_reshard_after_forward": f.flag("fsdp_reshard_after_forward"),
         "fsdp_cpu_offload": f.flag("fsdp_cpu_offload"),
         "deepspeed_config": f.get("deepspeed_config", (str, dict), "a JSON file path or a mapping", "ds.json"),
+        "dp_replicate": f.integer("dp_replicate", 1, example=2),
+        "dp_shard": f.integer("dp_shard", -1, example=2),
+        "tp": f.integer("tp", 1, example=2),
+        "cp": f.integer("cp", 1, example=1),
+        "activation_checkpointing": f.get(
+            "activation_checkpointing", (str, list), "class names (a list, or comma-separated)", "[Block]"
+        ),
         "comm_hook": f.choice("comm_hook", COMM_HOOKS, NO_ALIAS),
         "comm_wrapper": f.choice("comm_wrapper", COMM_WRAPPERS, NO_ALIAS),
         "comm_hook_options": f.get("comm_hook_options", (str, dict), "a mapping", "{matrix_approximation_rank: 2}"),

@@ -24,6 +24,7 @@ from .. import _collectives, _state, _tree
 from .._options import is_int
 from .._state import ProcessState
 from ._loader import ActiveLoader, LoaderPlan, Order, PreparedDataLoader
+from ._parallel import DataParallel, data_parallel, keep_data_parallel
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
 T = TypeVar("T")
@@ -104,18 +105,19 @@ def _prepare_map(
     loader: DataLoader[Any], st: ProcessState, even_batches: bool, split_batches: bool, data_seed: int | None
 ) -> PreparedDataLoader:
     base, size, drop, batches = _base_order(loader)
+    dp = data_parallel(st)
     if split_batches and batches:
         raise ValueError(
             "accelkit.prepare(split_batches=True): this DataLoader has a batch sampler, whose batches are "
             "sharded whole between the processes; drop split_batches, or give the DataLoader a batch_size"
         )
-    size = _split(size, st, split_batches)
+    size = _split(size, dp, split_batches)
     order, order_gen, base = _order(base, batches, st, data_seed)
-    layout = Layout(st.rank, st.world_size, size, even=even_batches and st.world_size > 1, drop_last=drop)
+    layout = Layout(dp.rank, dp.size, size, even=even_batches and dp.size > 1, drop_last=drop)
     unbatched = loader.batch_sampler is None
     shard = ShardedBatchSampler(base, layout, batches=batches, unbatched=unbatched)
     ragged = batches or not (layout.even or drop)
-    plan = _plan(st, loader, shard, order_gen, base, ragged=ragged, lookahead=False)
+    plan = _plan(st, dp, loader, shard, order_gen, base, ragged=ragged, lookahead=False)
     plan = plan._replace(order=order, data_seed=data_seed)
     options = _loader_options(loader)
     if unbatched:
@@ -130,9 +132,10 @@ def _prepare_map(
 def _prepare_stream(
     loader: DataLoader[Any], st: ProcessState, even_batches: bool, split_batches: bool, data_seed: int | None
 ) -> PreparedDataLoader:
-    even = even_batches and st.world_size > 1
-    size = _split(loader.batch_size or 1, st, split_batches)
-    layout = Layout(st.rank, st.world_size, size, even=even, drop_last=loader.drop_last)
+    dp = data_parallel(st)
+    even = even_batches and dp.size > 1
+    size = _split(loader.batch_size or 1, dp, split_batches)
+    layout = Layout(dp.rank, dp.size, size, even=even, drop_last=loader.drop_last)
     shard: ShardedIterable[Any] = ShardedIterable(loader.dataset, layout)  # type: ignore[arg-type]
     in_workers = loader.num_workers > 0
     if in_workers and even:
@@ -142,7 +145,7 @@ def _prepare_stream(
             stacklevel=5,  # the caller of ak.prepare
         )
     ragged = not (even or loader.drop_last)
-    plan = _plan(st, loader, shard, None, loader.dataset, ragged=ragged, lookahead=in_workers)
+    plan = _plan(st, dp, loader, shard, None, loader.dataset, ragged=ragged, lookahead=in_workers)
     plan = plan._replace(data_seed=data_seed)
     options = _loader_options(loader)
     return PreparedDataLoader(shard, plan, batch_size=size, drop_last=loader.drop_last, **options)
@@ -203,11 +206,12 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
     entry: ActiveLoader | None = active[-1] if active else None
     cut = entry.padding if entry is not None and entry.at_last_batch else 0
     size = entry.global_size if entry is not None else 0
+    dp = data_parallel(st)
     if use_gather_object:
-        parts = _collectives.gather_object(data)
+        parts = keep_data_parallel(_collectives.gather_object(data), dp)
         items = [x for part in parts for x in (part if isinstance(part, (list, tuple)) else (part,))]
         return items[: size - cut] if cut and len(items) == size else items
-    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged):  # one tensor: no tree to build
+    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged) and dp.group is None:  # no tree
         everyone = _collectives.gather(data)
         return everyone[: size - cut] if cut and everyone.shape[0] == size else everyone
     try:
@@ -216,13 +220,18 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
         raise TypeError(f"{exc} Or pass use_gather_object=True for non-tensor data.") from None
     if not leaves:
         return data
-    out = _gather_ragged(leaves, st.world_size) if entry is not None and entry.ragged else _collectives.gather(leaves)
+    if entry is not None and entry.ragged:
+        out = _gather_ragged(leaves, st.world_size, dp)
+    else:
+        out = _collectives.gather(leaves)
+        if dp.group is not None:  # the ranks of a tensor-parallel group sent the same samples: keep one of each
+            out = [torch.cat(keep_data_parallel(list(x.chunk(st.world_size)), dp)) for x in out]
     if cut:
         out = [x[: size - cut] if x.shape[0] == size else x for x in out]
     return _tree.unflatten(spec, out)
 
 
-def _gather_ragged(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+def _gather_ragged(leaves: list[torch.Tensor], world: int, dp: DataParallel) -> list[torch.Tensor]:
     """Gather tensors whose first dimension differs between ranks: sizes first, then data."""
     leaves = [x.reshape(1) if x.dim() == 0 else x for x in leaves]
     sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device))
@@ -233,8 +242,9 @@ def _gather_ragged(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]
         for x, m in zip(leaves, longest, strict=True)
     ]
     gathered = _collectives.gather(padded)
+    ranks = keep_data_parallel(list(range(world)), dp)
     return [
-        torch.cat([g[r * m : r * m + table[r][i]] for r in range(world)])
+        torch.cat([g[r * m : r * m + table[r][i]] for r in ranks])
         for i, (g, m) in enumerate(zip(gathered, longest, strict=True))
     ]
 
@@ -273,16 +283,16 @@ def _with_generator(base: Any, batches: bool, generator: torch.Generator) -> Any
     return base
 
 
-def _split(size: int, st: ProcessState, split_batches: bool) -> int:
+def _split(size: int, dp: DataParallel, split_batches: bool) -> int:
     """The per-process batch size: ``size`` itself, or with ``split_batches`` its share of it."""
     if not split_batches:
         return size
-    if size % st.world_size:
+    if size % dp.size:
         raise ValueError(
             f"accelkit.prepare(split_batches=True): batch_size={size} does not split evenly between "
-            f"{st.world_size} processes; use a multiple of {st.world_size}, or split_batches=False"
+            f"{dp.size} data-parallel processes; use a multiple of {dp.size}, or split_batches=False"
         )
-    return size // st.world_size
+    return size // dp.size
 
 
 def _order(
@@ -304,7 +314,7 @@ def _order(
     base = _with_generator(base, batches, owned)
     if data_seed is not None:
         return "data_seed", owned, base
-    if st.world_size == 1:
+    if st.world_size == 1:  # with several (a tensor-parallel group's too), rank 0's seed orders every rank
         return "epoch_seed", owned, base
     owned.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))  # rank 0's wins at each epoch
     return "follow", owned, base
@@ -312,6 +322,7 @@ def _order(
 
 def _plan(
     st: ProcessState,
+    dp: DataParallel,
     loader: DataLoader[Any],
     shard: ShardedBatchSampler | ShardedIterable[Any],
     order_generator: torch.Generator | None,
@@ -324,11 +335,11 @@ def _plan(
         shard=shard,
         order_generator=order_generator,
         epoch_target=epoch_target if callable(getattr(epoch_target, "set_epoch", None)) else None,
-        rank=st.rank,
+        rank=dp.rank,  # the ranks of a tensor-parallel group load alike (their workers' random transforms too)
         seed_source=loader.generator,
         broadcast_device=st.device if st.distributed else None,
         transfer=st.hardware.batch_transfer(st.device) if st.hardware is not None else None,
-        ragged=st.world_size > 1 and ragged,
+        ragged=dp.size > 1 and ragged,
         lookahead=lookahead,
     )
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .. import _env
 from .._config import config_in_effect, resolve
-from .._options import LaunchSettings
+from .._options import LaunchSettings, Options
+from .._strategies import mesh_sizes, on_mesh, torch_version_refusal
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -122,7 +123,21 @@ def plan_launch(
         notes=(note,) if note else (),
     )
     _check(plan)
+    _check_mesh(plan)
     return plan
+
+
+def _check_mesh(plan: LaunchPlan) -> None:
+    """The device mesh's sizes against the processes this launch starts (and the torch it has), before any starts."""
+    options = Options()._replace(**{k: v for k, v in plan.options.items() if k in Options.names()})  # type: ignore[arg-type]
+    if not on_mesh(options):
+        return
+    local = plan.local_processes()
+    said = "" if plan.given_as == "flag" else plan.call
+    mesh_sizes(options, local * plan.launch.num_nodes, local, said)
+    refusal = torch_version_refusal(on_cpu=options.cpu)
+    if refusal:
+        raise ConfigurationError(f"{said}: {refusal}" if said else refusal)
 
 
 def _check(plan: LaunchPlan) -> None:

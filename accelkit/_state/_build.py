@@ -106,7 +106,7 @@ def explicit_options() -> dict[str, Any]:
 _FIXED_WITH_THE_GROUP = ("cpu", "backend", "timeout")
 # Options that choose the strategy: changing them is only possible before anything was prepared.
 _STRATEGY_OPTIONS = ("strategy", "fsdp_wrap", "fsdp_min_params", "fsdp_reshard_after_forward", "fsdp_cpu_offload",
-                     "deepspeed_config")  # fmt: skip
+                     "deepspeed_config", "dp_replicate", "dp_shard", "tp", "cp")  # fmt: skip
 
 
 def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessState:
@@ -149,7 +149,7 @@ def _update(st: ProcessState, explicit: dict[str, Any], origin: str) -> ProcessS
     origins = {**st.origins, **dict.fromkeys(explicit, origin)}
     strategy = st.strategy
     if changes:  # the strategy holds the options: a new one, keeping what the old one holds (the grad scaler)
-        strategy = select_strategy(options, st.world_size, device)
+        strategy = select_strategy(options, st.world_size, device, st.local_world_size)
         if st.strategy is not None:
             strategy.keep_from(st.strategy)
     st = this_process.state = dataclasses.replace(
@@ -169,6 +169,9 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
     owns = False
     import torch.distributed as dist
 
+    from .._strategies import check_layout, select_strategy
+
+    check_layout(options, launch.world_size, launch.local_world_size, device, "accelkit.init")  # before the group
     if dist.is_available() and dist.is_initialized():
         from .. import _group
 
@@ -177,8 +180,6 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
     elif launch.world_size > 1:
         store, address = _init_group(launch, backend, options.timeout, launch_opts)
         owns = True
-    from .._strategies import select_strategy
-
     st = ProcessState(
         rank=launch.rank,
         world_size=launch.world_size,
@@ -193,7 +194,7 @@ def _create(explicit: dict[str, Any], launch_opts: dict[str, Any], origin: str) 
         restart_count=launch.restart_count,
         pid=os.getpid(),
         hardware=hardware,
-        strategy=select_strategy(options, launch.world_size, device),
+        strategy=select_strategy(options, launch.world_size, device, launch.local_world_size),
         sources=dict(resolved.sources),
         origins=dict.fromkeys(explicit, origin),
     )

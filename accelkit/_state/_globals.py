@@ -189,7 +189,7 @@ def new_task() -> None:
                 options=resolved.options,
                 sources=dict(resolved.sources),
                 origins={},
-                strategy=select_strategy(resolved.options, st.world_size, st.device),
+                strategy=select_strategy(resolved.options, st.world_size, st.device, st.local_world_size),
             )
         if st is not None:
             training.use(st.strategy)

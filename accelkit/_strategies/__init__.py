@@ -12,18 +12,54 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._protocol import Setup, Skipped, Strategy
+from ..errors import ConfigurationError
+from ._protocol import LAYOUT_OPTIONS, Setup, Skipped, Strategy
+from .mesh_sizes import MESH_NAMES, MeshSizes, mesh_sizes, on_mesh, torch_version_refusal
 
 if TYPE_CHECKING:
     import torch
 
     from .._options import Options
 
-__all__ = ["Setup", "Skipped", "Strategy", "select_strategy"]
+__all__ = [
+    "LAYOUT_OPTIONS",
+    "MESH_NAMES",
+    "MeshSizes",
+    "Setup",
+    "Skipped",
+    "Strategy",
+    "check_layout",
+    "mesh_sizes",
+    "on_mesh",
+    "select_strategy",
+    "torch_version_refusal",
+]
 
 
-def select_strategy(options: Options, world_size: int, device: torch.device) -> Strategy:
-    """The strategy for these options: DeepSpeed when asked for; one process: no wrapping; else DDP or FSDP2."""
+def check_layout(
+    options: Options, world_size: int, local_world_size: int | None, device: torch.device, call: str = ""
+) -> MeshSizes | None:
+    """The mesh's sizes (None: no mesh), refusing a layout or a torch that cannot run it; before the group forms."""
+    sizes = mesh_sizes(options, world_size, local_world_size, call)
+    if sizes is not None and world_size > 1:
+        import torch
+
+        refusal = torch_version_refusal(device.type == "cpu", torch.__version__)
+        if refusal:
+            raise ConfigurationError(f"{call}: {refusal}" if call else refusal)
+    return sizes
+
+
+def select_strategy(
+    options: Options, world_size: int, device: torch.device, local_world_size: int | None = None
+) -> Strategy:
+    """The strategy for these options: DeepSpeed when asked for; one process: no wrapping; a device mesh
+    when its sizes are set; else DDP or FSDP2."""
+    sizes = check_layout(options, world_size, local_world_size, device)
+    if sizes is not None and world_size > 1:
+        from .mesh import Mesh
+
+        return Mesh(options, device, sizes)
     if options.strategy == "deepspeed":
         from .deepspeed import DeepSpeed
 

@@ -9,10 +9,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
     from .._options import Options
 
-__all__ = ["Setup", "Skipped", "Strategy"]
+__all__ = ["LAYOUT_OPTIONS", "Setup", "Skipped", "Strategy"]
+
+# ak.prepare's options that lay a model out (passed in Strategy.setup's model_options, beside DDP's).
+LAYOUT_OPTIONS = ("tp_plan", "activation_checkpointing")
 
 # What Strategy.setup returns: the models, optimizers and schedulers to hand back (in order).
 Setup = tuple[list[Any], list[Any], list[Any]]
@@ -99,6 +104,22 @@ class Strategy(Protocol):
 
     def shards_state(self, obj: Any) -> bool:
         """Whether ``obj``'s state is sharded across ranks (saved and loaded per rank, with DCP)."""
+        ...
+
+    def process_group(self, name: str) -> ProcessGroup | None:
+        """The process group of ``name``: ``"dp"`` (the data-parallel ranks: those that see different batches),
+        or a mesh dimension (``"dp_replicate"``, ``"dp_shard"``, ``"tp"``, ``"cp"``); None means the whole world.
+
+        Raises ValueError for a name this strategy has no group of. Every rank must call it the first time
+        (it may form the groups).
+        """
+        ...
+
+    def device_mesh(self) -> DeviceMesh | None:
+        """The device mesh the models are laid out on (named dimensions), None with one process.
+
+        Every rank must call it the first time (it forms the mesh's groups).
+        """
         ...
 
     def release(self, model: nn.Module) -> None:

@@ -31,6 +31,7 @@ class DDP(SingleProcess):
     with the communication hook ``ak.prepare`` resolved, if any."""
 
     name = "ddp"
+    _mesh: Any = None  # the device mesh, made on first use (every rank must ask)
 
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -40,6 +41,15 @@ class DDP(SingleProcess):
         if hook is not None:
             hook.register(ddp)
         return ddp
+
+    def device_mesh(self) -> Any:
+        """A one-dimensional mesh over every process, ``"dp_replicate"``; made on first use."""
+        if self._mesh is None:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp_replicate",))
+        return self._mesh
 
     def release(self, model: nn.Module) -> None:
         # DDP's reducer, logger and process_group keep the gloo group (and its threads) alive after it was

@@ -37,6 +37,7 @@ from .._options import Options
 from ..errors import ConfigurationError, StateError
 from ._protocol import Setup
 from .comm_hooks import refuse_comm_hook
+from .layout import split_layout
 from .single import SingleProcess
 
 __all__ = ["DEFAULT_CONFIG", "DeepSpeed", "fill_auto", "read_deepspeed_config", "set_defaults"]
@@ -207,6 +208,8 @@ class DeepSpeed(SingleProcess):
                 'and one with an optimizer is prepared already; use strategy="fsdp" to train several'
             )
         deepspeed = _import_deepspeed()
+        layout, _ = split_layout(model_options, self.options.activation_checkpointing)
+        self.lay_out(models[0], layout)
         optimizer = optimizers[0] if optimizers else None
         scheduler = schedulers[0] if schedulers else None
         config = fill_auto(

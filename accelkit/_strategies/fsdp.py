@@ -78,18 +78,30 @@ class FSDP(SingleProcess):
         self.world_size = world_size
         # parameter -> its shard, for optimizers built before prepare (see fit_optimizer)
         self._shard_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._mesh: Any = None  # the device mesh, made on first use (every rank must ask)
 
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
         refuse_comm_hook(model_options, self.name)
         refuse_old_torch(torch.__version__, self.device)
         before = dict(model.named_parameters(remove_duplicate=False))
-        fully_shard_model(model, self.options, self.device, self.world_size)
-        # An optimizer built before prepare holds the old parameters: remember each one's shard.
+        fully_shard_model(model, self.options, self.device, self.device_mesh())
+        self.remember_shards(model, before)
+        return model
+
+    def remember_shards(self, model: nn.Module, before: dict[str, nn.Parameter]) -> None:
+        """An optimizer built before prepare holds the old parameters: remember each one's shard."""
         for name, new in model.named_parameters(remove_duplicate=False):
             old = before.get(name)
             if old is not None and old is not new:
                 self._shard_of[old] = new
-        return model
+
+    def device_mesh(self) -> Any:
+        """A one-dimensional mesh over every process, ``"dp_shard"``; made on first use."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp_shard",))
+        return self._mesh
 
     def fit_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer``'s param groups at the shards of the parameters it was built with.
@@ -131,9 +143,9 @@ def refuse_old_torch(version: str, device: torch.device) -> None:
         )
 
 
-def fully_shard_model(model: nn.Module, options: Options, device: torch.device, world_size: int) -> nn.Module:
-    """Apply ``fully_shard`` to the policy's units, then to ``model`` (in place); returns ``model``."""
-    from torch.distributed.device_mesh import init_device_mesh
+def fully_shard_model(model: nn.Module, options: Options, device: torch.device, mesh: Any) -> nn.Module:
+    """Apply ``fully_shard`` over ``mesh`` (1-D: FSDP; 2-D, replicate x shard: HSDP) to the policy's units,
+    then to ``model`` (in place); returns ``model``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if isinstance(model, FSDPModule):  # the user sharded it already
@@ -144,7 +156,6 @@ def fully_shard_model(model: nn.Module, options: Options, device: torch.device, 
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     # Pinned host memory needs an accelerator; on a CPU device the offload is a plain copy.
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if options.fsdp_cpu_offload else OffloadPolicy()
-    mesh = init_device_mesh(device.type, (world_size,))
     for module in [*units, model]:
         fully_shard(
             module,

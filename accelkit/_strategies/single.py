@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _torch_private
 from .._options import Options
 from ._protocol import Setup, Skipped, Strategy
+from .layout import Layout, check_plan, checkpoint_modules, split_layout
 
 __all__ = ["PRECISION_DTYPES", "SingleProcess", "StepCalls", "holds_dtensors", "inner_attribute"]
 
@@ -67,6 +68,8 @@ class SingleProcess:
         """
         state = {name: _forget(value) for name, value in self.__dict__.items()}
         state["scaler"], state["_unscaled"] = None, False
+        if "_mesh" in state:
+            state["_mesh"] = None  # its process groups are this process's
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -81,7 +84,8 @@ class SingleProcess:
         micro_batch_size: int | None,
         model_options: Mapping[str, Any],
     ) -> Setup:
-        wrapped = [self.wrap_model(model.to(self.device), model_options) for model in models]
+        layout, rest = split_layout(model_options, self.options.activation_checkpointing)
+        wrapped = [self.wrap_model(self.lay_out(model.to(self.device), layout), rest) for model in models]
         for optimizer in optimizers:
             self.fit_optimizer(optimizer)
             self._optimizers.add(optimizer)
@@ -89,9 +93,27 @@ class SingleProcess:
             self.scaler = self.new_scaler()
         return wrapped, list(optimizers), list(schedulers)
 
-    def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
-        """``model`` (already on the device) as this strategy runs it."""
+    def lay_out(self, model: nn.Module, layout: Layout) -> nn.Module:
+        """``model`` laid out before wrapping: its tensor-parallel plan checked (applied only on a mesh
+        with ``tp > 1``: a script keeps its plan on one process), its activation checkpointing applied."""
+        check_plan(model, layout.tp_plan)
+        checkpoint_modules(model, layout.activation_checkpointing)
         return model
+
+    def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
+        """``model`` (already on the device and laid out) as this strategy runs it."""
+        return model
+
+    def process_group(self, name: str) -> Any:
+        if name == "dp":
+            return None  # every process sees its own batches: the data-parallel group is the world
+        raise ValueError(
+            f"process group {name!r}: this job has no device mesh (strategy={self.name!r}), so its only group is "
+            f"'dp' (every process); set the mesh's sizes (dp_replicate, dp_shard, tp) to have {name!r}"
+        )
+
+    def device_mesh(self) -> Any:
+        return None
 
     def fit_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Fit an optimizer to the prepared models' parameters (nothing to do unsharded)."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import _state
 from .._data import PreparedDataLoader, prepare_dataloader
-from .._strategies import comm_hooks
+from .._strategies import LAYOUT_OPTIONS, comm_hooks
 from ._optim import PreparedOptimizer, PreparedScheduler
 from ._precision import MixedPrecisionModule
 from ._waits import mark_waits
@@ -26,6 +26,7 @@ F = TypeVar("F")
 Kind = Literal["model", "optimizer", "scheduler", "loader", "prepared"]
 _MODEL_OPTIONS = {
     "find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
+    *LAYOUT_OPTIONS,
 }  # fmt: skip
 _LOADER_OPTIONS = {"even_batches", "split_batches", "data_seed"}
 _OPTIONS = {"join_uneven_inputs", *comm_hooks.PREPARE_OPTIONS}
@@ -55,6 +56,12 @@ def prepare(*objects: Any, **options: Any) -> Any:
       configured precision. With ``strategy="fsdp"`` it is sharded in place with FSDP2's
       ``fully_shard`` instead (units from ``fsdp_wrap`` / ``fsdp_min_params``, then the root;
       the DDP options are ignored); with one process it runs unsharded.
+    - ``tp_plan`` (with the mesh's ``tp`` > 1): module-name patterns (``"blocks.*.mlp.up"``) to torch's
+      ``ParallelStyle`` objects (``ColwiseParallel()``, ...; or transformers' names ``"colwise"``, ``"rowwise"``),
+      a callable ``(model, tp_mesh) -> model``, or ``"auto"`` (the plan a transformers model carries);
+      applied on the ``tp`` dimension, then FSDP2 over the data-parallel ones. Checked everywhere,
+      ignored without tensor parallelism (one process runs the same script).
+      ``activation_checkpointing=("Block",)``: those modules' activations are recomputed in backward.
     - optimizer: steps only on real steps, through the fp16 grad scaler. Under FSDP its
       param groups are pointed at the sharded parameters (same groups, same hyper-parameters),
       so build it before or after ``prepare``, as you like, but prepare it before it steps.

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,8 +20,6 @@ from ._unprepared import check_prepared
 __all__ = [
     "accumulate",
     "backward",
-    "clip_grad_norm_",
-    "clip_grad_value_",
     "no_sync",
     "sync_gradients",
     "unwrap",
@@ -283,87 +279,6 @@ class _Reentrant:
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
         _state.training.unsynced -= 1
         self._entered.pop().__exit__(kind, value, traceback)
-
-
-def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    """Clip the gradients' total norm to ``max_norm``; return the total norm before clipping.
-
-    fp16 gradients are unscaled first, once per step. On accumulation micro-steps the
-    gradients are incomplete: nothing is clipped, the current total norm is returned.
-    Under FSDP the norm is that of the full gradients, computed across the shards on every
-    rank (so every rank must call it), and returned as a plain tensor.
-
-    Example:
-        >>> import accelkit as ak, torch
-        >>> w = torch.nn.Parameter(torch.ones(4)); w.grad = torch.full((4,), 2.0)
-        >>> ak.clip_grad_norm_([w], 1.0)
-        tensor(4.)
-    """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    training = _state.training
-    strategy = training.strategy or _state.strategy()
-    if not training.sync_gradients:
-        norm = _total_norm(params, norm_type)
-        scale = strategy.gradient_scale()
-        return norm / scale if scale is not None else norm
-    strategy.unscale()
-    norm = _total_norm(params, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
-
-
-def _total_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist yet
-        return torch.nn.utils.get_total_norm(grads, norm_type)
-    from torch.distributed.tensor import DTensor
-
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    parts = [torch.nn.utils.get_total_norm(plain, norm_type)] if plain else []
-    groups: dict[tuple[int, Any], list[DTensor]] = {}
-    for g in grads:
-        if isinstance(g, DTensor):
-            groups.setdefault((id(g.device_mesh), g.placements), []).append(g)
-    parts.extend(_sharded_norm(group, norm_type) for group in groups.values())
-    return torch.nn.utils.get_total_norm(parts, norm_type)  # the norm of the parts' norms
-
-
-def _sharded_norm(grads: list[Any], norm_type: float) -> torch.Tensor:
-    """The norm of whole DTensors from their local shards, reduced over the sharded mesh dims.
-
-    By hand rather than through DTensor's norm: that fails for the inf-norm when a rank's
-    shard is empty (uneven sharding: a bias of size 1 on 2 ranks), as _foreach_norm has no identity.
-    """
-    import torch.distributed as dist
-
-    local = [t for t in (g.to_local() for g in grads) if t.numel()]
-    norm = torch.nn.utils.get_total_norm(local, norm_type) if local else grads[0].to_local().new_zeros(())
-    norm = norm.float()
-    power = norm if norm_type in (0, math.inf) else norm**norm_type
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    mesh = grads[0].device_mesh
-    for dim, placement in enumerate(grads[0].placements):
-        if placement.is_shard():
-            dist.all_reduce(power, op=op, group=mesh.get_group(dim))
-    return power if norm_type in (0, math.inf) else power ** (1.0 / norm_type)
-
-
-def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
-    """Clamp every gradient to ``[-clip_value, clip_value]`` (fp16 gradients unscaled first).
-
-    Example:
-        >>> import accelkit as ak, torch
-        >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.tensor([5.0, -5.0])
-        >>> ak.clip_grad_value_([w], 1.0); w.grad
-        tensor([ 1., -1.])
-    """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    training = _state.training
-    if training.sync_gradients:
-        (training.strategy or _state.strategy()).unscale()
-    torch.nn.utils.clip_grad_value_(params, clip_value)
 
 
 def unwrap(model: nn.Module, keep_precision: bool = False) -> nn.Module:
