@@ -152,3 +152,46 @@ def test_the_api_reference_documents_every_public_name() -> None:
     missing = {f"accelkit.{name}" for name in ak.__all__} - documented
     assert not missing, f"docs/reference/accelkit.md lacks `::: NAME` for {sorted(missing)}"
     assert {"accelkit.testing", "accelkit.errors", "accelkit.logging"} <= documented
+
+
+def _documented_parameters(doc: str) -> set[str]:
+    """The names an ``Args:``, ``Attributes:`` or ``Other Parameters:`` section of ``doc`` documents."""
+    names: set[str] = set()
+    for section in re.finditer(r"^( *)(?:Args|Attributes|Other Parameters):\n((?:\1 +\S.*\n|\n)+)", doc + "\n", re.M):
+        entry = len(section[1]) + 4  # an entry's indent; deeper lines continue it
+        names.update(re.findall(rf"^ {{{entry}}}(\**\w+)(?: \([^)]*\))?:", section[2], re.M))
+    return names
+
+
+def _public_callables() -> list[tuple[str, object]]:
+    import accelkit.logging
+    import accelkit.testing
+
+    found = []
+    for module in (ak, accelkit.testing, accelkit.logging):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if type(obj).__module__ == "typing":  # a type alias (accelkit.testing.WorkerDevice)
+                continue
+            if callable(obj) and not (isinstance(obj, type) and issubclass(obj, BaseException)):
+                found.append((f"{module.__name__}.{name}", obj))
+    return found
+
+
+def test_every_public_function_documents_each_parameter() -> None:
+    """The API reference shows each function's parameters as a table, from its docstring's ``Args:``."""
+    import inspect
+
+    missing = {}
+    for name, obj in _public_callables():
+        try:
+            params = inspect.signature(obj).parameters.values()
+        except (TypeError, ValueError):  # no signature to document
+            continue
+        stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+        wanted = {stars.get(p.kind, "") + p.name for p in params if p.name != "self"}
+        lacking = wanted - _documented_parameters(inspect.getdoc(obj) or "")
+        if lacking:
+            missing[name] = sorted(lacking)
+    assert not missing, f"docstrings lack an Args: entry for these parameters: {missing}"
+    assert _documented_parameters("Args:\n    x: one.\n        more.\n    **kw (int): two.\n") == {"x", "**kw"}

@@ -38,6 +38,10 @@ def gather(data: T) -> T:
     tensors with :func:`pad_across_processes` first). A 0-d tensor becomes 1-d with one
     entry per process. With one process ``data`` itself is returned.
 
+    Args:
+        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
+            structure, dtypes and shapes on every rank.
+
     Example:
         >>> import accelkit as ak, torch
         >>> ak.gather({"loss": torch.tensor(0.5)})  # {'loss': tensor([0.5, 0.7])} on 2 processes
@@ -60,6 +64,11 @@ def reduce(data: T, op: ReduceOp = "sum") -> T:
     the input's dtype (bool: sum/max is *or*, product/min is *and*); ``"mean"`` needs
     floating-point tensors, so convert integers first (``counts.float()``) or sum them.
 
+    Args:
+        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
+            structure, dtypes and shapes on every rank.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; the same on every rank.
+
     Example:
         >>> import accelkit as ak, torch
         >>> ak.reduce(torch.tensor([1.0, 3.0]), op="sum")  # the sum over processes
@@ -78,6 +87,11 @@ def broadcast(data: T, src: int = 0) -> T:
 
     Every rank must call it, with the same ``src`` and the same structure, dtypes and
     shapes (the other ranks' values are not used; their inputs are left untouched).
+
+    Args:
+        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
+            structure, dtypes and shapes on every rank.
+        src: the global rank whose ``data`` every rank receives.
 
     Example:
         >>> import accelkit as ak, torch
@@ -100,6 +114,13 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
     can be gathered. ``pad_first`` pads at the start instead of the end. Tensors that have
     no dimension ``dim`` (a 0-d tensor, ``dim=2`` of a matrix) come back unchanged, as with
     Accelerate, so that one call pads every tensor of a mixed structure that has it.
+
+    Args:
+        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
+            structure and dtypes on every rank.
+        dim: the dimension to pad; tensors without it come back unchanged.
+        pad_index: the value to pad with.
+        pad_first: pad at the start instead of the end.
 
     Example:
         >>> import accelkit as ak, torch
@@ -131,6 +152,9 @@ def gather_object(obj: Any) -> list[Any]:
     Every rank must call it. The objects travel pickled; each entry is whole, whatever
     its type (a dict or a string is not split). With one process: ``[obj]``.
 
+    Args:
+        obj: any picklable object.
+
     Example:
         >>> import accelkit as ak
         >>> ak.gather_object({"rank": ak.rank()})  # [{'rank': 0}, {'rank': 1}] on 2 processes
@@ -151,6 +175,10 @@ def broadcast_object(obj: T, src: int = 0) -> T:
 
     Every rank must call it with the same ``src``; the other ranks' ``obj`` is ignored
     (pass ``None``). With one process ``obj`` itself is returned.
+
+    Args:
+        obj: any picklable object on ``src``; ignored on the other ranks (pass ``None``).
+        src: the global rank whose ``obj`` every rank receives.
 
     Example:
         >>> import accelkit as ak

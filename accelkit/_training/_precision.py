@@ -28,6 +28,10 @@ def precision(mode: str | None = None) -> Precision:
     The object can be kept and entered again, also inside itself, as a ``torch.autocast``
     (``ctx = ak.precision("bf16")``, then ``with ctx:`` wherever needed), and decorates functions.
 
+    Args:
+        mode: ``"no"`` (fp32), ``"fp16"``, ``"bf16"``; ``None``: the configured precision, read at
+            each entry.
+
     Example:
         >>> import accelkit as ak, torch
         >>> ctx = ak.precision("bf16")
