@@ -286,7 +286,8 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
     Example:
         >>> import accelkit as ak
-        >>> ak.latest_checkpoint("checkpoints")  # e.g. PosixPath('checkpoints/step-300')  # doctest: +SKIP
+        >>> ak.latest_checkpoint("checkpoints")  # doctest: +SKIP
+        PosixPath('checkpoints/step-300')
     """
     from . import _manifest
 

@@ -44,7 +44,7 @@ def gather(data: T) -> T:
 
     Example:
         >>> import accelkit as ak, torch
-        >>> ak.gather({"loss": torch.tensor(0.5)})  # {'loss': tensor([0.5, 0.7])} on 2 processes
+        >>> ak.gather({"loss": torch.tensor(0.5)})  # 2 processes: tensor([0.5, 0.7])
         {'loss': tensor(0.5000)}
     """
     st = _state.get()
@@ -124,7 +124,7 @@ def pad_across_processes(data: T, dim: int = 0, pad_index: float = 0, pad_first:
 
     Example:
         >>> import accelkit as ak, torch
-        >>> ak.pad_across_processes(torch.ones(2 + ak.rank()))  # [1, 1, 0] on rank 0 of 2
+        >>> ak.pad_across_processes(torch.ones(2 + ak.rank()))  # of 2: [1, 1, 0]
         tensor([1., 1.])
     """
     st = _state.get()
@@ -157,7 +157,7 @@ def gather_object(obj: Any) -> list[Any]:
 
     Example:
         >>> import accelkit as ak
-        >>> ak.gather_object({"rank": ak.rank()})  # [{'rank': 0}, {'rank': 1}] on 2 processes
+        >>> ak.gather_object({"rank": ak.rank()})  # 2 processes: 2 entries
         [{'rank': 0}]
     """
     st = _state.get()

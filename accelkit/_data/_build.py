@@ -206,7 +206,7 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
 
     Example:
         >>> import accelkit as ak, torch
-        >>> ak.gather_for_metrics(torch.tensor([1, 2]))  # every rank's samples, padding dropped
+        >>> ak.gather_for_metrics(torch.tensor([1, 2]))  # the padding dropped
         tensor([1, 2])
     """
     st = _state.get()

@@ -77,7 +77,8 @@ def init_trackers(
 
     Example:
         >>> import tempfile, accelkit as ak
-        >>> with ak.init_trackers("demo", {"lr": 0.1}, log_with="csv", project_dir=tempfile.mkdtemp()) as run:
+        >>> hp, out = {"lr": 0.1}, tempfile.mkdtemp()
+        >>> with ak.init_trackers("demo", hp, log_with="csv", project_dir=out) as run:
         ...     ak.log({"loss": 0.5}, step=0)
         >>> (run.directory / "metrics.csv").read_text().splitlines()
         ['run,step,loss', '1,0,0.5']
@@ -131,7 +132,8 @@ def log(values: Mapping[str, Any], step: int | None = None) -> None:
 
     Example:
         >>> import tempfile, accelkit as ak
-        >>> with ak.init_trackers("demo", log_with="jsonl", project_dir=tempfile.mkdtemp()) as run:
+        >>> out = tempfile.mkdtemp()
+        >>> with ak.init_trackers("demo", log_with="jsonl", project_dir=out) as run:
         ...     ak.log({"loss": 0.5, "eval": {"acc": 1}})
         >>> (run.directory / "metrics.jsonl").read_text()
         '{"run": 1, "step": 0, "loss": 0.5, "eval/acc": 1}\\n'
@@ -162,7 +164,8 @@ def get_tracker(name: str) -> Any:
 
     Example:
         >>> import tempfile, accelkit as ak
-        >>> with ak.init_trackers("demo", log_with="csv", project_dir=tempfile.mkdtemp()):
+        >>> out = tempfile.mkdtemp()
+        >>> with ak.init_trackers("demo", log_with="csv", project_dir=out):
         ...     ak.get_tracker("csv").name
         'metrics.csv'
     """
