@@ -39,6 +39,9 @@ NAMES = {
     "DistributedDataParallel.require_backward_grad_sync": "read, never written: whether a prepared DDP model's "
     "backward all-reduces now (its own no_sync() turns it off), for the heartbeat's proof that a rank waits for "
     "every other; DDP has no public getter",
+    "torch.distributed.nn.functional's __defaults__": "rewritten, group.WORLD -> None, when accelkit destroys a "
+    "group: its functions' defaults hold the group that existed when it was imported (DDP imports it), which "
+    "keeps that group's gloo connections open after it is destroyed; no public way to drop them",
     "powerSGD_hook._orthogonalize": "probing whether torch's batched PowerSGD hook can run (it fails in backward "
     "on torch versions whose helper wants a batch)",
     "_get_layout of torch's serialization module": "named, not used: a pickled layout (in DCP metadata) is a call "
@@ -117,6 +120,16 @@ def release_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
 def ddp_syncs(ddp: nn.parallel.DistributedDataParallel) -> bool:
     """Whether ``ddp``'s next backward all-reduces its gradients (False inside its ``no_sync()``)."""
     return bool(getattr(ddp, "require_backward_grad_sync", False))  # not known: no proof
+
+
+def unpin_from_defaults(group: Any) -> None:
+    """Free ``group`` from torch.distributed.nn.functional's defaults (``def all_reduce(tensor, op=...,
+    group=group.WORLD)``): ``None`` means the default group to torch.distributed, as the defaults intend."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            function.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def batched_power_sgd_runs() -> bool:
