@@ -288,9 +288,10 @@ def _split(size: int, dp: DataParallel, split_batches: bool) -> int:
     if not split_batches:
         return size
     if size % dp.size:
+        who = "processes" if dp.group is None else "data-parallel processes"  # on a mesh: the ranks that load apart
         raise ValueError(
             f"accelkit.prepare(split_batches=True): batch_size={size} does not split evenly between "
-            f"{dp.size} data-parallel processes; use a multiple of {dp.size}, or split_batches=False"
+            f"{dp.size} {who}; use a multiple of {dp.size}, or split_batches=False"
         )
     return size // dp.size
 
