@@ -476,8 +476,9 @@ OLDER_ACCELKIT = "import accelkit._version as v; v.__version__ = '0.0.1'; " + PR
     [
         (PROBE_STATE, {"ACCELKIT_PRECISION": "bf16"}, "  - rank 1 has precision 'bf16', rank 0 has 'no'"),
         (OLDER_ACCELKIT, {}, "  - rank 1 has accelkit '0.0.1', rank 0 has "),
+        (PROBE_STATE, {"ACCELKIT_TP": "2"}, "  - rank 1 has mesh 'dp_replicate=1 dp_shard=-1 tp=2 cp=1', rank 0 has"),
     ],
-    ids=["precision", "accelkit version"],
+    ids=["precision", "accelkit version", "mesh"],
 )
 def test_ranks_that_differ_refuse_to_start(
     code: str, env: dict[str, str], expected: str, session: list[subprocess.Popen[str]]
