@@ -33,6 +33,16 @@ class BatchTransfer(Protocol):
         """The moved batch, safe to use on the device's current stream from now on."""
         ...
 
+    def pin_in_loader(self, num_workers: int) -> bool:
+        """Whether a loader with ``num_workers`` worker processes should pin its batches itself.
+
+        True where the copies want pinned host memory and the loader can pin beside the step: with
+        workers, ``DataLoader(pin_memory=True)`` pins each batch in the loader's pin-memory thread. A
+        loader without workers would pin on the thread that iterates it, the training thread: there
+        :meth:`start` pins instead, off that thread. A user's ``pin_memory=True`` is kept either way.
+        """
+        ...
+
 
 class Backend(Protocol):
     """What accelkit needs to know about one kind of accelerator."""

@@ -48,6 +48,9 @@ class ToDevice:
     def finish(self, handle: Any) -> Any:
         return handle
 
+    def pin_in_loader(self, num_workers: int) -> bool:
+        return False  # plain copies: pinned memory would buy nothing
+
 
 def is_set(flag: torch.Tensor) -> bool:
     """Whether a host tensor has a nonzero element (a one-element flag, as GradScaler's, without a kernel)."""

@@ -119,7 +119,7 @@ def _prepare_map(
     ragged = batches or not (layout.even or drop)
     plan = _plan(st, dp, loader, shard, order_gen, base, ragged=ragged, lookahead=False)
     plan = plan._replace(order=order, data_seed=data_seed)
-    options = _loader_options(loader)
+    options = _loader_options(loader, plan)
     if unbatched:
         return PreparedDataLoader(loader.dataset, plan, sampler=shard, batch_size=None, **options)
     prepared = PreparedDataLoader(loader.dataset, plan, batch_sampler=shard, **options)
@@ -147,7 +147,7 @@ def _prepare_stream(
     ragged = not (even or loader.drop_last)
     plan = _plan(st, dp, loader, shard, None, loader.dataset, ragged=ragged, lookahead=in_workers)
     plan = plan._replace(data_seed=data_seed)
-    options = _loader_options(loader)
+    options = _loader_options(loader, plan)
     return PreparedDataLoader(shard, plan, batch_size=size, drop_last=loader.drop_last, **options)
 
 
@@ -345,13 +345,16 @@ def _plan(
     )
 
 
-def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
+def _loader_options(loader: DataLoader[Any], plan: LoaderPlan) -> dict[str, Any]:
     from .._launcher import LoaderWorkerLifeline  # once a loader is prepared
 
+    # Pinned batches, where the device's copies want them and the loader pins beside the step (the
+    # backend's transfer says); a user's pin_memory=True as it is, never pinned a second time.
+    pin = loader.pin_memory or (plan.transfer is not None and plan.transfer.pin_in_loader(loader.num_workers))
     options: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
+        "pin_memory": pin,
         "timeout": loader.timeout,
         # Workers die with this rank (Linux), whatever ends it; the user's init function runs after.
         "worker_init_fn": LoaderWorkerLifeline(loader.worker_init_fn) if loader.num_workers else loader.worker_init_fn,
