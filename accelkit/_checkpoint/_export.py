@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import _safe_io, _state
+from ._where import local_path
 
 __all__ = ["save_model"]
 
@@ -34,11 +35,12 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_seri
         >>> torch.load(path, weights_only=True).keys()  # doctest: +SKIP
         odict_keys(['weight', 'bias'])
     """
+    folder = local_path(f"accelkit.save_model(model, {os.fspath(directory)!r})", directory)  # before any work
     from .._training import unwrap
     from . import _full  # with the first call (see _save_load)
 
     safetensors_torch = _safetensors(safe_serialization)
-    target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
+    target = folder / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
     module = unwrap(model)
     full = _full.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
     if not _state.get().is_main_process:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import _state
 from ..errors import CheckpointError
+from ._where import local_path
 
 __all__ = ["CheckpointInfo", "read_checkpoint"]
 
@@ -101,6 +102,7 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
         >>> model = GPT(**info["model_args"]); info.step  # doctest: +SKIP
         10
     """
+    path = local_path(f"accelkit.read_checkpoint({os.fspath(directory)!r})", directory)  # before any work
     saving = _state.training.saving
     if saving is not None and saving.thread is not None:
         saving.thread.join()  # its outcome is left for the next save_state, wait_for_checkpoint or end_training
@@ -108,7 +110,6 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
     from ._save import VALUES
     from ._snapshot import Snapshot
 
-    path = Path(directory)
     with Snapshot.take(path) as snapshot:
         body = snapshot.body
         if body["tensor_values"]:

@@ -28,6 +28,7 @@ from torch import nn
 from .. import _group, _state
 from .._options import is_int
 from ..errors import CheckpointError
+from ._where import local_path
 
 if TYPE_CHECKING:
     from . import _load
@@ -83,6 +84,7 @@ def save_state(
         PosixPath('.../ckpt/step-10')
     """
     call = f"accelkit.save_state({os.fspath(directory)!r})"
+    local_path(call, directory)  # a URL is refused before any work
     if not objects:
         raise TypeError(
             f"{call}: nothing to save; name what to save, e.g. ak.save_state(directory, model=model, "
@@ -162,6 +164,7 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None,
         {'step': 10}
     """
     call = f"accelkit.load_state({os.fspath(directory)!r})"
+    path = local_path(call, directory)  # a URL is refused before any work
     if strict not in (None, True, False):
         raise TypeError(f"{call}: strict={strict!r}; expected None (the default), True or False")
     for name, obj in objects.items():
@@ -177,7 +180,6 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None,
     from ._snapshot import Snapshot
 
     st = _state.get()
-    path = Path(directory)
     agree = Agreement.here(call)
     nothing = "nothing was changed"
     opened: list[tuple[Snapshot, _load.Verification | None]] = []  # closed however the load ends
@@ -267,7 +269,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """
     from . import _manifest
 
-    found = _manifest.committed(Path(root), whole=True)
+    found = _manifest.committed(local_path(f"accelkit.latest_checkpoint({os.fspath(root)!r})", root), whole=True)
     return found[-1][1] if found else None
 
 
