@@ -114,7 +114,7 @@ def test_each_private_name_exists_on_this_torch() -> None:
     assert callable(distributed_c10d._get_default_store) and callable(powerSGD_hook._orthogonalize)
     assert hasattr(filesystem, "_StorageInfo")
     # A pickled layout still names the lookup the metadata unpickler answers from torch's public layouts.
-    from accelkit._checkpoint._sharded import _MetadataUnpickler
+    from accelkit._checkpoint._sharded_load import _MetadataUnpickler
 
     for layout in (torch.strided, torch.sparse_coo):
         assert _MetadataUnpickler(io.BytesIO(pickle.dumps(layout))).load() is layout
