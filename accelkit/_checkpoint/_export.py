@@ -40,6 +40,7 @@ def save_model(
         odict_keys(['weight', 'bias'])
     """
     folder = storage_for(f"accelkit.save_model(model, {os.fspath(directory)!r})", directory)  # before any work
+    folder.check_access()  # a missing bucket or missing credentials: before the weights are gathered
     from .._training import unwrap
     from . import _full  # with the first call (see _save_load)
 
