@@ -48,6 +48,13 @@ NAMES = {
     "of it, which the metadata unpickler answers with layout_named, from torch's public layouts",
     "torch.distributed.checkpoint.filesystem._StorageInfo": "a class DCP metadata holds: the metadata unpickler "
     "builds it (no public equivalent)",
+    "_StorageInfo.relative_path/offset/length/transform_descriptors": "where each item of a sharded checkpoint "
+    "lies (storage_item): its non-tensor items are unpickled safely before the load, and the ranges a load reads "
+    "from an object store are verified before it; transform_descriptors is absent before torch 2.6",
+    "FileSystemWriter.fs/.path, FileSystemReader.fs/.path": "DCP does its file work through them "
+    "(use_filesystem): accelkit's FileSystem writes into a save's files (checksummed, local or an object store) "
+    "and reads a load's verified snapshot; no public argument takes a FileSystem (DCP's own FsspecWriter and "
+    "FsspecReader set them the same way, in a private module)",
 }
 
 # How torch pickles a layout (torch.strided, ...): a call of this function by its module and name, with the
@@ -63,6 +70,18 @@ def layout_named(name: str) -> torch.layout:
     if not isinstance(found, torch.layout):
         raise ValueError(f"{name!r} is not a torch layout")
     return found
+
+
+def storage_item(metadata: Any, index: Any) -> tuple[str, int, int, tuple[Any, ...]]:
+    """Where the item ``index`` of DCP's ``metadata`` lies: (file, offset, length, the transforms it was stored by)."""
+    info = metadata.storage_data[index]
+    transforms = tuple(getattr(info, "transform_descriptors", None) or ())  # a field from torch 2.6 on
+    return str(info.relative_path), int(info.offset), int(info.length), transforms
+
+
+def use_filesystem(io: Any, fs: Any, path: Any) -> None:
+    """Make DCP's ``FileSystemWriter`` or ``FileSystemReader`` ``io`` do its file work through ``fs`` in ``path``."""
+    io.fs, io.path = fs, path
 
 
 def _missing(name: str) -> RuntimeError:

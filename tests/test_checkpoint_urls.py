@@ -1,8 +1,11 @@
-"""A URL is never a local path: every checkpoint call refuses a scheme:// it cannot serve, before any work."""
+"""A URL is never a local path: every checkpoint call refuses a scheme:// it cannot serve, before any work.
+
+(URLs that fsspec serves are tested in test_checkpoint_remote.py.)"""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,11 +46,12 @@ def test_a_url_is_refused_before_anything_is_written(
 def test_a_local_folder_named_like_the_url_is_not_read(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What a save to the URL used to leave: ./s3:/bucket/run/step-1, a local checkpoint. The URL never reads it.
+    # What a save to the URL used to leave: ./nosuchscheme:/bucket/run/step-1, a local checkpoint. The URL never
+    # reads it.
     monkeypatch.chdir(tmp_path)
-    ak.save_state(os.path.join("s3:", "bucket", "run", "step-1"), model=nn.Linear(2, 1), step=1)
-    with pytest.raises(ValueError, match=r"is a URL \(s3://\)"):
-        CALLS[name]("s3://bucket/run/step-1")
+    ak.save_state(os.path.join("nosuchscheme:", "bucket", "run", "step-1"), model=nn.Linear(2, 1), step=1)
+    with pytest.raises(ValueError, match=r"is a URL \(nosuchscheme://\)"):
+        CALLS[name](URL)
 
 
 def test_the_message_says_what_would_serve_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,9 +60,21 @@ def test_the_message_says_what_would_serve_it(tmp_path: Path, monkeypatch: pytes
         ak.save_state(URL, model=nn.Linear(2, 1))
     message = str(raised.value)
     assert message.startswith(f"accelkit.save_state({URL!r}): ")
-    assert "nothing was read or written" in message and "keep checkpoints in a local directory" in message
-    with pytest.raises(ValueError, match=r"pass the local path itself, '/tmp/run/step-1'"):
-        ak.save_state("file:///tmp/run/step-1", model=nn.Linear(2, 1))
+    assert "nothing was read or written" in message
+    assert "Pass a local directory, or a URL fsspec serves (s3://, gs://, az://, memory://, ...)" in message
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_without_fsspec_a_url_names_the_extra_to_install(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # as if it were not installed: importing it fails
+    with pytest.raises(
+        ImportError, match=r"through fsspec, which is not installed: pip install \"accelkit\[fsspec\]\""
+    ):
+        CALLS[name]("s3://bucket/run/step-1")
+    assert _everything_under(tmp_path) == [] and not ak.is_initialized()
 
 
 def test_a_path_with_a_colon_is_still_a_path(tmp_path: Path) -> None:

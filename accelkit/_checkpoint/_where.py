@@ -1,8 +1,9 @@
-"""Where a checkpoint call reads or writes: a local directory, and never a URL taken for one.
+"""Where a checkpoint call reads or writes: a local folder, or an object store; never a URL taken for a path.
 
-``Path("s3://bucket/run")`` is the local path ``s3:/bucket/run``: without this check a save to a
-bucket would write a folder on the local disk and return as if saved. Every checkpoint call asks
-here first, before any work, and a URL it cannot serve is refused, saying what would serve it.
+``Path("s3://bucket/run")`` is the local path ``s3:/bucket/run``: taken as one, a save to a bucket
+would write a folder on the local disk and return as if saved. Every checkpoint call asks
+:func:`storage_for` first, before any work: a URL goes to fsspec (``_remote``), and one that nothing
+installed serves is refused there, saying what would serve it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["local_path", "url_scheme"]
+from ._local import LocalStorage
+from ._storage import Storage
+
+__all__ = ["storage_for", "url_scheme"]
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")  # RFC 3986's scheme, then "://"
+_LOCAL = ("file", "local")  # fsspec's names for the local filesystem
 
 
 def url_scheme(directory: str | os.PathLike[str]) -> str | None:
@@ -27,26 +32,15 @@ def url_scheme(directory: str | os.PathLike[str]) -> str | None:
     return found.group(1).lower() if found else None
 
 
-def local_path(call: str, directory: str | os.PathLike[str]) -> Path:
-    """``directory`` as a local path; ValueError, before any work, if it is a URL.
-
-    Example:
-        >>> local_path("accelkit.save_state('runs/step-1')", "runs/step-1")
-        PosixPath('runs/step-1')
-    """
+def storage_for(call: str, directory: str | os.PathLike[str]) -> Storage:
+    """Where ``directory`` is: a local folder, or an object store through fsspec; refused before any work when
+    nothing serves it (ValueError, or ImportError naming what to install)."""
     scheme = url_scheme(directory)
     if scheme is None:
-        return Path(directory)
+        return LocalStorage(Path(directory))
     text = os.fspath(directory)
-    if scheme == "file":
-        instead = f"pass the local path itself, {text[len('file://') :]!r}"
-    else:
-        instead = (
-            f"keep checkpoints in a local directory (e.g. 'checkpoints/{Path(text).name or 'step-1'}') and copy "
-            f"committed ones to {scheme}:// yourself"
-        )
-    raise ValueError(
-        f"{call}: {text!r} is a URL ({scheme}://), not a local directory, and accelkit reads and writes checkpoints "
-        f"in local directories: nothing was read or written (a URL taken for a path would be a local folder "
-        f"{os.path.join('.', text.replace('://', ':/', 1))!r}, lost with the machine); {instead}"
-    )
+    if scheme in _LOCAL:
+        return LocalStorage(Path(text.split("://", 1)[1] or "/"))
+    from ._remote import RemoteStorage
+
+    return RemoteStorage.open(call, text, scheme)
