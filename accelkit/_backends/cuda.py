@@ -8,7 +8,7 @@ one batch ahead) and how a flag on the device is read without stalling it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -79,6 +79,12 @@ class CUDABackend:
             return is_set(host)
 
         return read
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.pin_memory().to(device, non_blocking=True)  # from pinned memory: the host does not wait
+
+    def wire(self, dist_backend: str) -> Literal["device"]:
+        return "device"
 
 
 class CUDATransfer:

@@ -9,21 +9,19 @@
   (a broadcast: every receiver) compares the headers it received with its own.
 - **The check**, on its own: the bits as int32 in a small all-reduce (exact at any world size).
 
-On the CPU the verdict is read at once. On an accelerator, reading it would make the host wait
-for the device: there the comparison runs on the device and its one-byte result is copied to pinned
-memory without blocking, and read at the rank's next collective, barrier or ``ak.end_training``
-(:class:`Deferred`).
+The host wire reads the verdict from host values at once; the device wire compares on the device
+(the ``_on_device`` forms) and reads the result later (see :mod:`._wire`).
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ._signature import AGREE
 
-__all__ = ["EXACT", "Deferred", "bits", "bits_agree", "bits_agree_on_device", "check_tensor", "header_tensor",
-           "headers_agree", "headers_agree_on_device"]  # fmt: skip
+__all__ = ["EXACT", "bits", "bits_agree", "bits_agree_on_device", "check_tensor", "headers_agree_on_device",
+           "logic"]  # fmt: skip
 
 BITS = 64
 # The largest world size whose count of ones each dtype holds exactly (a bit's sum reaches it).
@@ -57,64 +55,20 @@ def bits_agree(values: list[Any], world: int, with_complements: bool) -> bool:
 
 
 def bits_agree_on_device(values: torch.Tensor, world: int, with_complements: bool) -> torch.Tensor:
-    """:func:`bits_agree` as a device tensor (a 0-d bool), for :class:`Deferred`."""
+    """:func:`bits_agree` as a tensor on the bits' device (a 0-d bool)."""
     if not with_complements:
         return ((values == 0) | (values == world)).all()
     pairs = values.view(-1, 2, 8)
     return (pairs[:, 0] != pairs[:, 1]).all()
 
 
-def header_tensor(header: bytes, device: torch.device) -> torch.Tensor:
-    """A header as a uint8 tensor of its own (``header`` is copied; to an accelerator without waiting for it)."""
-    host = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def headers_agree(gathered: torch.Tensor, ranks: int, width: int, at: int, mine: bytes) -> bool:
-    """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``."""
-    theirs = gathered.as_strided((ranks, AGREE), (width, 1), gathered.storage_offset() + at)
-    if ranks <= 16:  # compared on the host as numbers: fewer tensor operations
-        want = list(mine[:AGREE])
-        return all(row == want for row in theirs.tolist())
-    return torch.equal(theirs, torch.frombuffer(bytearray(mine[:AGREE]), dtype=torch.uint8).expand(ranks, AGREE))
-
-
 def headers_agree_on_device(
     gathered: torch.Tensor, ranks: int, width: int, at: int, mine: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`headers_agree` as a device tensor (a 0-d bool), for :class:`Deferred`."""
+    """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``,
+    as a tensor on their device (a 0-d bool)."""
     theirs = gathered.as_strided((ranks, AGREE), (width, 1), gathered.storage_offset() + at)
     return (theirs == mine[:AGREE]).all()
-
-
-class Deferred(NamedTuple):
-    """A verdict computed on the device, on its way to the host; read at the next collective.
-
-    ``flag`` is pinned host memory the device writes (True: every rank agreed), ``event`` marks the
-    copy; ``call`` is the call it judges (for the table). A broadcast's receiver also keeps ``seen``,
-    the source's header (still on the device), and ``src``.
-    """
-
-    flag: torch.Tensor
-    event: Any
-    call: Any
-    seen: torch.Tensor | None
-    src: int
-
-    @classmethod
-    def start(cls, verdict: torch.Tensor, call: Any, seen: torch.Tensor | None, src: int) -> "Deferred":
-        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-        flag.copy_(verdict, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-        return cls(flag, event, call, seen, src)
-
-    def agreed(self) -> bool:
-        """The verdict (waits for the copy, which was issued a whole call ago)."""
-        self.event.synchronize()
-        return bool(self.flag.item())
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,12 +1,12 @@
-"""Each thread's reused host buffer, for the messages of small collectives whose bytes no result shares.
+"""Each thread's reused host buffer, for the messages of the host wire whose bytes no result shares.
 
 The buffer is a ``bytearray`` seen as a uint8 tensor (``torch.frombuffer``): the backend moves the
 tensor, and the few bytes that are Python's (a call's header) are written and read in the bytearray
 itself, without a tensor operation. The views of the buffer that one kind of message needs are made
 once (:class:`GatherLayout`) and reused; results are always copied out of it (``torch.cat``), so that
-no user ever holds a view of it. A new buffer replaces one too small (up to :data:`LIMIT` bytes; larger
-messages get tensors of their own), and a thread's buffer goes when a later thread makes its own after
-it ended (a background save runs in a new thread each time).
+no user ever holds a view of it. A new buffer replaces one too small; the host wire plans only
+messages of up to :data:`LIMIT` bytes through it (larger ones move as raw code moves them). Each
+thread has its own (``threading.local``): it goes with its thread.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LIMIT", "Buffer", "GatherLayout", "gather", "head", "mine"]
+__all__ = ["HEAD", "LIMIT", "Buffer", "GatherLayout", "gather", "gather_width", "head", "mine"]
 
 LIMIT = 16 << 20  # bytes
 _FIRST = 64 << 10  # a thread's first buffer: grown as needed
@@ -25,15 +25,6 @@ HEAD = 64  # bytes of a header on its own (_signature.HEADER; every element size
 _LAYOUTS = 64  # kinds of message remembered per buffer; beyond, all are forgotten alike
 
 Shapes = tuple[tuple[torch.dtype, torch.Size], ...]
-
-
-def mine(table: dict[int, Any], make: Any) -> Any:
-    """This thread's entry in ``table``, made now; the entries of threads that ended go (a background save's)."""
-    alive = {t.ident for t in threading.enumerate()}
-    for ident in [i for i in table if i not in alive]:
-        table.pop(ident, None)
-    entry = table[threading.get_ident()] = make()
-    return entry
 
 
 class GatherLayout(NamedTuple):
@@ -95,33 +86,41 @@ class Buffer:
         return layout
 
 
-_BUFFERS: dict[int, Buffer] = {}
+_LOCAL = threading.local()
 
 
-def gather(world: int, shapes: Shapes, header_bytes: int) -> tuple[Buffer, GatherLayout] | None:
+def mine() -> Buffer | None:
+    """This thread's buffer, if it made one."""
+    return getattr(_LOCAL, "buffer", None)
+
+
+def gather_width(shapes: Shapes, header_bytes: int) -> int:
+    """The bytes of one rank's message of a gather of ``shapes``, with its header."""
+    return _aligned(_offsets(shapes)[1] + header_bytes)
+
+
+def gather(world: int, shapes: Shapes, header_bytes: int) -> tuple[Buffer, GatherLayout]:
     """This thread's buffer and the layout in it of a gather of ``shapes`` over ``world`` ranks, with a header
-    of ``header_bytes`` after each rank's data (None beyond :data:`LIMIT` bytes: a message of its own)."""
-    found = _BUFFERS.get(threading.get_ident())
+    of ``header_bytes`` after each rank's data (made, and the buffer grown, the first time)."""
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
     layout = found.layouts.get((world, shapes)) if found is not None else None
-    width = layout.width if layout is not None else _aligned(_offsets(shapes)[1] + header_bytes)
-    if (world + 1) * width > LIMIT:
-        return None
     if found is None or layout is None:
-        found = _at_least((world + 1) * width)
+        found = _at_least((world + 1) * gather_width(shapes, header_bytes))
         layout = found.gather_layout(world, shapes, header_bytes)
     return found, layout
 
 
 def head() -> Buffer:
     """This thread's buffer, for its header on its own (:meth:`Buffer.head`)."""
-    return _at_least(0)
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
+    return found if found is not None else _at_least(0)
 
 
 def _at_least(nbytes: int) -> Buffer:
-    found = _BUFFERS.get(threading.get_ident())
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
     if found is None or len(found.raw) < nbytes:
-        size = max(nbytes, _FIRST, 2 * len(found.raw) if found is not None else 0)
-        found = mine(_BUFFERS, lambda: Buffer(min(size, LIMIT)))
+        grown = min(max(_FIRST, 2 * len(found.raw) if found is not None else 0), LIMIT)
+        found = _LOCAL.buffer = Buffer(max(nbytes, grown))
     return found
 
 

@@ -211,11 +211,11 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
     cut = entry.padding if entry is not None and entry.at_last_batch else 0
     size = entry.global_size if entry is not None else 0
     if use_gather_object:
-        parts = _collectives.gather_object(data)
+        parts = _collectives.gather_object(data, group="dp")
         items = [x for part in parts for x in (part if isinstance(part, (list, tuple)) else (part,))]
         return items[: size - cut] if cut and len(items) == size else items
     if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged):  # one tensor: no tree to build
-        everyone = _collectives.gather(data)
+        everyone = _collectives.gather(data, group="dp")
         return everyone[: size - cut] if cut and everyone.shape[0] == size else everyone
     try:
         leaves, spec = _tree.flatten(data, "accelkit.gather_for_metrics")
@@ -223,23 +223,25 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
         raise TypeError(f"{exc} Or pass use_gather_object=True for non-tensor data.") from None
     if not leaves:
         return data
-    out = _gather_ragged(leaves, st.world_size) if entry is not None and entry.ragged else _collectives.gather(leaves)
+    ragged = entry is not None and entry.ragged
+    out = _gather_ragged(leaves) if ragged else _collectives.gather(leaves, group="dp")
     if cut:
         out = [x[: size - cut] if x.shape[0] == size else x for x in out]
     return _tree.unflatten(spec, out)
 
 
-def _gather_ragged(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-    """Gather tensors whose first dimension differs between ranks: sizes first, then data."""
+def _gather_ragged(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gather tensors whose first dimension differs between the data-parallel ranks: sizes first, then data."""
     leaves = [x.reshape(1) if x.dim() == 0 else x for x in leaves]
-    sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device))
-    table = sizes.view(world, len(leaves)).tolist()
+    sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device), group="dp")
+    table = sizes.view(-1, len(leaves)).tolist()
+    world = len(table)
     longest = [max(column) for column in zip(*table, strict=True)]
     padded = [
         torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))]) if x.shape[0] < m else x
         for x, m in zip(leaves, longest, strict=True)
     ]
-    gathered = _collectives.gather(padded)
+    gathered = _collectives.gather(padded, group="dp")
     return [
         torch.cat([g[r * m : r * m + table[r][i]] for r in range(world)])
         for i, (g, m) in enumerate(zip(gathered, longest, strict=True))

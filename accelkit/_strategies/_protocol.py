@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed import ProcessGroup
 
     from .._options import Options
 
@@ -103,4 +104,9 @@ class Strategy(Protocol):
 
     def release(self, model: nn.Module) -> None:
         """At interpreter exit: drop ``model``'s references to the process group, so that it goes first."""
+        ...
+
+    def process_group(self, name: str) -> ProcessGroup | None:
+        """The process group of the mesh dimension ``name`` ("dp": the data-parallel ranks; "dp_replicate",
+        "dp_shard", "tp", "cp" on a mesh); None: the whole world."""
         ...
