@@ -21,7 +21,7 @@ from .._options import is_int, suggest
 from .._state import ProcessState
 from . import _checked, _debug, _exchange, _signature
 from ._channel import Channel, channel, describe, process_group
-from ._movers import Broadcast, Gather, Mover, Reduce
+from ._movers import GATHER, REDUCE, Broadcast, Mover
 from ._scope import collective as _collective
 from ._scope import communication as _communication
 from ._signature import Call
@@ -56,7 +56,7 @@ def gather(data: T, *, group: Group = None) -> T:
     if found is None:
         return data
     ch, call = found
-    return _tree.unflatten(call.spec, _run(st, ch, call, Gather()))  # type: ignore[arg-type, no-any-return]
+    return _tree.unflatten(call.spec, _run(st, ch, call, GATHER))  # type: ignore[arg-type, no-any-return]
 
 
 def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
@@ -79,7 +79,7 @@ def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
     if found is None:
         return data
     ch, call = found
-    return _tree.unflatten(call.spec, _run(st, ch, call, Reduce(op)))  # type: ignore[arg-type, no-any-return]
+    return _tree.unflatten(call.spec, _run(st, ch, call, REDUCE[op]))  # type: ignore[arg-type, no-any-return]
 
 
 def broadcast(data: T, src: int = 0, *, group: Group = None) -> T:
@@ -131,7 +131,7 @@ def pad_across_processes(
     lengths = [leaves[i].shape[d] for i, d in zip(padded, dims, strict=True)]
     call.shapes = [(x.dtype, x.shape) for x in leaves]
     call.data = [torch.tensor(lengths, dtype=torch.int64, device=st.device)]
-    everyone = _run(st, ch, call, Gather())[0].tolist()
+    everyone = _run(st, ch, call, GATHER)[0].tolist()
     sizes = [max(everyone[i :: len(lengths)]) for i in range(len(lengths))]  # per leaf, over the ranks
     padded_leaves = _exchange.pad([leaves[i] for i in padded], dims, sizes, pad_index, pad_first)
     grown = dict(zip(padded, padded_leaves, strict=True))
@@ -156,7 +156,7 @@ def gather_object(obj: Any, *, group: Group = None) -> list[Any]:
         return [obj]
     ch = channel(st, group)
     payload, call = _object(st, ch, "gather_object", {}, lambda: _dumps("gather_object", obj))
-    lengths = _run(st, ch, call, Gather())[0].tolist()
+    lengths = _run(st, ch, call, GATHER)[0].tolist()
     with _communication(st, "gather_object"):
         blobs = _exchange.gather_padded(payload, max(lengths), lengths, st.device, ch.size, ch.group)
     return [_exchange.loads(b) for b in blobs]
@@ -221,7 +221,7 @@ def any_rank(st: ProcessState, op: str, flag: bool) -> bool:
         compare_calls(st, ch, op, {})
     data = [torch.tensor([int(flag)], dtype=torch.int32, device=st.device)]
     call = Call(_signature.signature(op, {}), data, {})
-    return bool(_run(st, ch, call, Reduce("max"))[0].item())
+    return bool(_run(st, ch, call, REDUCE["max"])[0].item())
 
 
 def compare_calls(st: ProcessState, ch: Channel, op: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> None:
@@ -295,7 +295,7 @@ def _refuse(st: ProcessState, ch: Channel | None, op: str, params: dict[str, Any
     if not st.options.check_collectives:
         return  # nothing tells the others: they wait (the price of unchecked collectives)
     call = Call(_signature.signature(op, params, problem=problem), [], params, problem=problem)
-    _run(st, ch, call, Broadcast(src) if src is not None else Gather())
+    _run(st, ch, call, Broadcast(src) if src is not None else GATHER)
 
 
 def _run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> Any:
@@ -303,7 +303,8 @@ def _run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> Any:
     if not st.options.check_collectives:
         with _collective(st, ch, call):
             return mover.data(ch, call.data)
-    settle(st)
+    if _state.group.channels.unsettled:
+        settle(st)
     with _collective(st, ch, call):
         return _checked.run(st, ch, call, mover)
 

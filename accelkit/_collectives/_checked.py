@@ -55,7 +55,7 @@ def run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> list[torch.T
     else:
         begun = ch.wire.start_check(call.token, ch.group)
         out = moving.data(ch, data)
-        verdict = ch.wire.end_check(begun, ch.size)
+        verdict = ch.wire.end_check(begun, call.token, ch.size)
     if callable(verdict):
         if fits:  # read at the next collective; if the ranks differed, every rank raises then and forgets the counts
             seen = moving.seen if isinstance(moving, Broadcast) and isinstance(moving.seen, torch.Tensor) else None

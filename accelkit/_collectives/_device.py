@@ -31,7 +31,7 @@ class DeviceWire(Wire):
         super().__init__(device)
         self.read_later, self.to_device = read_later, to_device  # the Backend's
 
-    def judge_bits(self, bits: torch.Tensor, world: int, logic: bool) -> Verdict:
+    def judge_bits(self, bits: torch.Tensor, token: int, world: int, logic: bool) -> Verdict:
         return self.read_later(_check.bits_agree_on_device(bits, world, logic))
 
     def gather(

@@ -219,14 +219,15 @@ def reduce(leaves: list[torch.Tensor], op: str, world: int, group: Any = None) -
 
 
 def reduced(buf: torch.Tensor, op: str, world: int, like: torch.Tensor) -> torch.Tensor:
-    """A reduced 1-d ``buf`` as the result for ``like``: the mean divided, back in ``like``'s dtype and shape."""
+    """A reduced ``buf`` (1-d, or shaped like ``like``) as the result for ``like``: the mean divided, back in
+    ``like``'s dtype and shape."""
     if op == "mean":
         buf = buf.div_(world)
     elif buf.dtype == torch.bool:  # gloo's sum leaves the count in each byte: proper booleans (0 or 1)
         buf = buf.view(torch.uint8).clamp_(max=1).view(torch.bool)
-    if buf.dtype != like.dtype:
-        buf = buf.to(like.dtype)
-    return buf if like.dim() == 1 else buf.view(like.shape)
+    if buf.dtype != like.dtype:  # (booleans reduced as bytes with max or min: 0 or 1, booleans as they are)
+        buf = buf.view(like.dtype) if like.dtype == torch.bool else buf.to(like.dtype)
+    return buf if buf.shape == like.shape else buf.view(like.shape)
 
 
 def pad(

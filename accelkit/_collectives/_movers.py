@@ -20,9 +20,9 @@ from . import _check, _exchange
 from ._channel import Channel
 from ._plan import Plan
 from ._signature import Call
-from ._wire import Verdict
+from ._wire import Group, Verdict
 
-__all__ = ["TAIL_BYTES", "Broadcast", "Gather", "Mover", "Reduce", "planned"]
+__all__ = ["GATHER", "REDUCE", "TAIL_BYTES", "Broadcast", "Gather", "Mover", "Reduce", "planned"]
 
 TAIL_BYTES = 1 << 20  # a gather's bytes per rank up to which the token rides in its message
 
@@ -40,24 +40,32 @@ class Reduce:
         return _exchange.reduce(leaves, self.op, ch.size, ch.group)
 
     def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        return ch.wire.reduce(self.op, _groups(leaves), leaves, call.token, ch.group, ch.size)
+        return ch.wire.reduce(self.op, self.groups(leaves), leaves, call.token, ch.group, ch.size)
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
         """Unless the first group's dtype cannot count the ranks exactly (bfloat16 beyond 256 ranks, float16
         beyond 2048, 8-bit integers): then the check goes beside the data."""
-        first = _exchange.WIDER.get(leaves[0].dtype, leaves[0].dtype)
-        return _check.logic(first, "sum" if self.op == "mean" else self.op) or ch.size <= _check.EXACT.get(first, 0)
+        dtype, wire, _ = self.groups(leaves)[0]
+        return _check.logic(wire) or ch.size <= _check.EXACT.get(dtype, 0)
+
+    def groups(self, leaves: list[torch.Tensor]) -> list[Group]:
+        """The leaves by the dtype and operation they are reduced with (the first leaf's first), in order: a dtype
+        the backends cannot reduce in a wider one, booleans as bytes (sum and max: their or; product and min:
+        their and), a mean as a sum."""
+        if len(leaves) == 1:
+            return [(*self.way(leaves[0].dtype), _FIRST)]
+        groups: dict[tuple[torch.dtype, str], list[int]] = {}
+        for i, x in enumerate(leaves):
+            groups.setdefault(self.way(x.dtype), []).append(i)
+        return [(dtype, wire, members) for (dtype, wire), members in groups.items()]
+
+    def way(self, dtype: torch.dtype) -> tuple[torch.dtype, str]:
+        if dtype == torch.bool:
+            return torch.uint8, "max" if self.op in ("sum", "max") else "min"
+        return _exchange.WIDER.get(dtype, dtype), "sum" if self.op == "mean" else self.op
 
 
-def _groups(leaves: list[torch.Tensor]) -> list[tuple[torch.dtype, list[int]]]:
-    """The leaves by the dtype they are reduced in (the first leaf's first), in order."""
-    if len(leaves) == 1:
-        dtype = leaves[0].dtype
-        return [(_exchange.WIDER.get(dtype, dtype), [0])]
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(_exchange.WIDER.get(x.dtype, x.dtype), []).append(i)
-    return list(groups.items())
+_FIRST = [0]
 
 
 class Gather:
@@ -115,9 +123,11 @@ class Broadcast:
 
 
 Mover = Reduce | Gather | Broadcast
+GATHER = Gather()  # (a gather's and a reduction's movers keep nothing of a call: one each is enough)
+REDUCE = {op: Reduce(op) for op in ("sum", "mean", "max", "min", "product")}
 
 
 def planned(key: tuple[str, Any]) -> Mover:
     """The mover a plan names (a rank whose call differs from the plan still moves the planned message)."""
     kind, arg = key
-    return Reduce(arg) if kind == "reduce" else Broadcast(arg) if kind == "broadcast" else Gather()
+    return REDUCE[arg] if kind == "reduce" else Broadcast(arg) if kind == "broadcast" else GATHER

@@ -23,10 +23,12 @@ import torch
 from . import _check, _exchange
 from ._signature import HEADER
 
-__all__ = ["Verdict", "Wire", "read"]
+__all__ = ["Group", "Verdict", "Wire", "read"]
 
 # Whether every rank made the same call: known now, or a reader to call later (it waits for the device).
 Verdict = bool | Callable[[], bool]
+# A reduction's leaves that travel together: the dtype and operation they are reduced with, and which leaves.
+Group = tuple[torch.dtype, str, list[int]]
 
 
 def read(verdict: Verdict) -> bool:
@@ -41,24 +43,30 @@ class Wire:
         self.device = device
 
     # -- judging -----------------------------------------------------------------------------------------
-    def judge_bits(self, bits: torch.Tensor, world: int, logic: bool) -> Verdict:
-        """Whether reduced token bits say that every one of ``world`` ranks sent the same token."""
+    def judge_bits(self, bits: torch.Tensor, token: int, world: int, logic: bool) -> Verdict:
+        """Whether reduced token bits say that every one of ``world`` ranks sent ``token``."""
         raise NotImplementedError
 
     def check(self, token: int, group: Any, size: int) -> bool:
         """The check on its own (a small all-reduce of the token's bits over ``group``'s ``size`` ranks), read now."""
-        bits = _check.check_tensor(token, self.device)
-        _exchange.all_reduce(bits, "sum", group)  # nothing to overlap with: on this thread, as small calls run fastest
-        return read(self.judge_bits(bits, size, False))
+        return read(self.end_check(self.start_check(token, group, wait=True), token, size))
 
-    def start_check(self, token: int, group: Any) -> tuple[Any, torch.Tensor]:
-        """The check begun beside a message that moves as raw code moves it (:meth:`end_check` ends it)."""
-        bits = _check.check_tensor(token, self.device)
+    def start_check(self, token: int, group: Any, wait: bool = False) -> tuple[Any, torch.Tensor]:
+        """The check begun beside a message that moves as raw code moves it (:meth:`end_check` ends it); ``wait``:
+        ended now (nothing to overlap with: on this thread, as small calls run fastest)."""
+        bits = self.check_bits(token)
+        if wait:
+            _exchange.all_reduce(bits, "sum", group)
+            return None, bits
         return _exchange.start_sum(bits, group), bits
 
-    def end_check(self, begun: tuple[Any, torch.Tensor], size: int) -> Verdict:
+    def end_check(self, begun: tuple[Any, torch.Tensor], token: int, size: int) -> Verdict:
         _exchange.wait(begun[0])
-        return self.judge_bits(begun[1], size, False)
+        return self.judge_bits(begun[1], token, size, False)
+
+    def check_bits(self, token: int) -> torch.Tensor:
+        """The check's message: the token's bits as int32 (a count exact at any world size)."""
+        return _check.check_tensor(token, self.device)
 
     # -- moving ------------------------------------------------------------------------------------------
     def gather(
@@ -73,39 +81,40 @@ class Wire:
         return True
 
     def reduce(
-        self,
-        op: str,
-        groups: list[tuple[torch.dtype, list[int]]],
-        leaves: list[torch.Tensor],
-        token: int,
-        group: Any,
-        size: int,
+        self, op: str, groups: list[Group], leaves: list[torch.Tensor], token: int, group: Any, size: int
     ) -> tuple[list[torch.Tensor], Verdict]:
-        """One all-reduce per group of leaves (``groups``: the dtype each group is reduced in, and its leaves);
-        the token's bits after the first group's data.
-
-        The first result of each group is its message itself (its data at offset 0 of a fresh storage that holds
-        nothing else a user can see: the token's bits, or the next leaves, which are copied out)."""
-        wire = "sum" if op == "mean" else op
+        """One all-reduce per group of leaves (``groups``: the dtype and operation each group is reduced with,
+        and its leaves); the token's bits after the first group's data."""
         out: list[torch.Tensor] = [leaves[0]] * len(leaves)
-        verdict: Verdict = True
-        for g, (dtype, members) in enumerate(groups):
-            values = [_exchange.flat(leaves[i]) for i in members]
-            values = [v if v.dtype == dtype else v.to(dtype) for v in values]
-            sizes = [v.numel() for v in values]
-            if g == 0:  # the first group carries the token
-                logic = _check.logic(dtype, wire)
-                message = torch.cat([*values, *_check.bits(token, dtype, self.device, logic)])
-                _exchange.all_reduce(message, wire, group)
-                *parts, bits = message.split_with_sizes([*sizes, message.numel() - sum(sizes)])
-                verdict = self.judge_bits(bits, size, logic)
-            else:
-                message = torch.cat(values) if len(values) > 1 else values[0].clone()
-                _exchange.all_reduce(message, wire, group)
-                parts = list(message.split_with_sizes(sizes)) if len(values) > 1 else [message]
-            for k, (i, part) in enumerate(zip(members, parts, strict=True)):
-                out[i] = _exchange.reduced(part if k == 0 else part.clone(), op, size, leaves[i])
+        verdict = self.reduce_group(op, groups[0], leaves, token, group, size, out)
+        for more in groups[1:]:
+            self.reduce_group(op, more, leaves, None, group, size, out)
         return out, verdict
+
+    def reduce_group(
+        self, op: str, way: Group, leaves: list[torch.Tensor], token: int | None, group: Any, size: int,
+        out: list[torch.Tensor],
+    ) -> Verdict:  # fmt: skip
+        """One group's all-reduce, its results into ``out``; with ``token``, its bits after the data and the verdict.
+
+        The group's first result is its message itself (its data at offset 0 of a fresh storage that holds nothing
+        else a user can see: the token's bits, or the next leaves, which are copied out)."""
+        dtype, wire, members = way
+        values = [_exchange.flat(leaves[i]) for i in members]
+        values = [v if v.dtype == dtype else v.to(dtype) for v in values]
+        if token is not None:
+            logic = _check.logic(wire)
+            message = torch.cat([*values, *_check.bits(token, dtype, self.device, logic)])
+        else:
+            message = torch.cat(values) if len(values) > 1 else values[0].clone()
+        _exchange.all_reduce(message, wire, group)
+        sizes = [v.numel() for v in values]
+        if token is not None:
+            sizes.append(message.numel() - sum(sizes))
+        parts = message.split_with_sizes(sizes) if len(sizes) > 1 else [message]
+        for k, i in enumerate(members):
+            out[i] = _exchange.reduced(parts[k] if k == 0 else parts[k].clone(), op, size, leaves[i])
+        return self.judge_bits(parts[-1], token, size, logic) if token is not None else True
 
     def broadcast(
         self, leaves: list[torch.Tensor], header: bytes, src: int, source: bool, group: Any
