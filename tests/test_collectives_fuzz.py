@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from meshes import row_and_column
 
 import accelkit as ak
 from accelkit.testing import WorkerPool
@@ -84,22 +85,6 @@ def _steps(draw: Any, world: int, groups: tuple[str, ...] = ("world",)) -> Step:
     if kind == "refuse":
         return Step(kind, tree, draw(st.sampled_from(REFUSALS)), group)
     return Step(kind, tree, None, group)
-
-
-_MESHES: dict[Any, dict[str, Any]] = {}
-
-
-def _mesh() -> dict[str, Any]:
-    """This rank's groups on 4 processes: its row ({0, 1} or {2, 3}) and its column ({0, 2} or {1, 3}) of a
-    2 x 2 mesh. Made once per process group, every group on every rank in the same order (as torch asks)."""
-    world = dist.group.WORLD
-    found = _MESHES.get(world)
-    if found is None:
-        made = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
-        rank = dist.get_rank()
-        found = _MESHES[world] = {"row": made[(0, 1) if rank < 2 else (2, 3)],
-                                  "column": made[(0, 2) if rank % 2 == 0 else (1, 3)]}  # fmt: skip
-    return found
 
 
 def _build(leaf: Leaf, rank: int, seed: int, index: int, vary: int | None = None) -> torch.Tensor:
@@ -263,7 +248,7 @@ def _refuse(kind: str, data: Any, group: Any) -> None:
 def _check_step(step: Step, seed: int) -> list[str]:
     """In a worker: run one step with accelkit and raw torch.distributed over its group; what differs."""
     rank = ak.rank()
-    group = None if step.group == "world" else _mesh()[step.group]
+    group = None if step.group == "world" else row_and_column()[step.group]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(ak.world_size()))
     src = ranks[step.arg] if step.op in ("broadcast", "rng state") else None  # a global rank
     vary = step.arg if step.op == "pad_across_processes" else None

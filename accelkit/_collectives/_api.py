@@ -20,7 +20,7 @@ from .. import _state, _tree
 from .._options import is_int, suggest
 from .._state import ProcessState
 from . import _checked, _debug, _exchange, _signature
-from ._channel import Channel, channel, describe, process_group
+from ._channel import Channel, channel, check_alone, describe
 from ._movers import GATHER, REDUCE, Broadcast, Mover
 from ._scope import collective as _collective
 from ._scope import communication as _communication
@@ -152,7 +152,7 @@ def gather_object(obj: Any, *, group: Group = None) -> list[Any]:
     """
     st = _state.get()
     if not st.distributed:
-        _alone(st, group)
+        check_alone(st, group)
         return [obj]
     ch = channel(st, group)
     payload, call = _object(st, ch, "gather_object", {}, lambda: _dumps("gather_object", obj))
@@ -181,7 +181,7 @@ def broadcast_object(obj: T, src: int = 0, *, group: Group = None) -> T:
         return _dumps("broadcast_object", obj) if ch is not None and st.rank == src else b""
 
     if ch is None:
-        _alone(st, group)
+        check_alone(st, group)
         prepare()
         return obj
     payload, call = _object(st, ch, "broadcast_object", {"src": src}, prepare)
@@ -244,7 +244,7 @@ def _tensors(
     ranks' first); None with one process. An invalid input raises, after taking part so that no rank waits."""
     ch = channel(st, group) if st.distributed else None
     if ch is None:
-        _alone(st, group)
+        check_alone(st, group)
     try:
         leaves, spec = _tree.flatten(data, f"accelkit.{op}")
         if check is not None:
@@ -259,12 +259,6 @@ def _tensors(
     if st.options.debug:
         compare_calls(st, ch, op, params, [(x.dtype, x.shape) for x in leaves], spec, free_dim)
     return ch, Call(_signature.signature(op, params, leaves, spec, free_dim), leaves, params, spec, free_dim)
-
-
-def _alone(st: ProcessState, group: Group) -> None:
-    """With one process: nothing moves, but a mesh dimension's name is still checked."""
-    if isinstance(group, str):
-        process_group(st, group)
 
 
 def _object(

@@ -27,7 +27,7 @@ from ._plan import Point
 from ._signature import Call
 from ._wire import Wire
 
-__all__ = ["Channel", "Channels", "Pending", "channel", "choose_wire", "describe"]
+__all__ = ["Channel", "Channels", "Pending", "channel", "check_alone", "choose_wire", "describe", "process_group"]
 
 
 class Pending(NamedTuple):
@@ -107,10 +107,7 @@ def _of(st: ProcessState, found: Channels, group: Any) -> Channel:
                 f"gives the processes outside a group this marker, {group}); call the collective on that group's "
                 f"processes only"
             )
-        raise TypeError(
-            f"accelkit: group={group!r}: expected None (every process), a torch.distributed ProcessGroup, or the "
-            f"name of a device mesh dimension ('dp', 'dp_replicate', 'dp_shard', 'tp', 'cp')"
-        )
+        raise _not_a_group(group)
     sub = found.groups.get(group)
     if sub is None:
         ranks = tuple(dist.get_process_group_ranks(group))
@@ -121,6 +118,21 @@ def _of(st: ProcessState, found: Channels, group: Any) -> Channel:
             )
         sub = found.groups[group] = Channel(group, ranks, st.rank, found.wire, st.device)
     return sub
+
+
+def check_alone(st: ProcessState, group: Any) -> None:
+    """With one process nothing moves, but ``group`` is checked all the same: a mesh dimension's name, a type."""
+    if isinstance(group, str):
+        process_group(st, group)
+    elif group is not None and not isinstance(group, dist.ProcessGroup):
+        raise _not_a_group(group)
+
+
+def _not_a_group(group: Any) -> TypeError:
+    return TypeError(
+        f"accelkit: group={group!r}: expected None (every process), a torch.distributed ProcessGroup, or the "
+        f"name of a device mesh dimension ('dp', 'dp_replicate', 'dp_shard', 'tp', 'cp')"
+    )
 
 
 def process_group(st: ProcessState, name: str) -> Any:

@@ -30,11 +30,12 @@ Moved = tuple[list[torch.Tensor], Verdict]
 
 
 class Reduce:
-    __slots__ = ("key", "op")
+    __slots__ = ("alone", "key", "op")
 
     def __init__(self, op: str) -> None:
         self.op = op
         self.key: tuple[str, Any] = ("reduce", op)
+        self.alone: dict[torch.dtype, list[Group]] = {}  # the groups of one leaf, by its dtype
 
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.reduce(leaves, self.op, ch.size, ch.group)
@@ -53,7 +54,10 @@ class Reduce:
         the backends cannot reduce in a wider one, booleans as bytes (sum and max: their or; product and min:
         their and), a mean as a sum."""
         if len(leaves) == 1:
-            return [(*self.way(leaves[0].dtype), _FIRST)]
+            found = self.alone.get(leaves[0].dtype)
+            if found is None:
+                found = self.alone[leaves[0].dtype] = [(*self.way(leaves[0].dtype), [0])]
+            return found
         groups: dict[tuple[torch.dtype, str], list[int]] = {}
         for i, x in enumerate(leaves):
             groups.setdefault(self.way(x.dtype), []).append(i)
@@ -63,9 +67,6 @@ class Reduce:
         if dtype == torch.bool:
             return torch.uint8, "max" if self.op in ("sum", "max") else "min"
         return _exchange.WIDER.get(dtype, dtype), "sum" if self.op == "mean" else self.op
-
-
-_FIRST = [0]
 
 
 class Gather:

@@ -52,13 +52,15 @@ class collective:
         call.seq, call.token = seq, _signature.token(sig, seq)
         _exchange.release()
         if ch.world:
-            group.now = Now(sig.op, seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text)
+            # Every field given, without Now(...)'s Python frame: one each way per call.
+            fields = (sig.op, seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text, "")
+            group.now = tuple.__new__(Now, fields)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if self.ch.world:
             group = _state.group
             now = group.now
-            group.now = Now(now.op, now.seq, False, time.monotonic(), now.thread, 0, "")
+            group.now = tuple.__new__(Now, (now.op, now.seq, False, time.monotonic(), now.thread, 0, "", ""))
         if isinstance(exc, _exchange.CommunicationError):
             _failed(self.call.op, self.st, exc, self.ch)
 
