@@ -3,14 +3,15 @@
 A mover (:mod:`._movers`) says what a message holds; the wire places it in memory, moves it over the
 channel's process group and reads the verdict from it. Two wires:
 
-- the **host wire** (:mod:`._host`): messages in host memory, small gathers through each thread's reused
-  buffer, headers compared as bytes and bits read as numbers: the verdict at once;
+- the **host wire** (:mod:`._host`): messages in host memory, small ones through each thread's reused
+  buffer, headers and token bits compared as bytes: the verdict at once;
 - the **device wire** (:mod:`._device`): messages on the device, compared there; the verdict is a reader
   from ``Backend.read_later``, called at the rank's next collective, so that the host never waits for it.
 
-What the two share is here: the check on its own, the check beside a message, a reduction (its message is
-the same on both: the data, then the token's bits), and a broadcast's message (the data in the leaves' own
-dtype where they share a native one, else as bytes, then the header).
+What the two share is here: the check on its own, the check beside a message, and a reduction's and a
+broadcast's fresh message (the device wire's always, the host wire's beyond its buffer's share): for a
+reduction the data, then the token's bits; for a broadcast the data in the leaves' own dtype where they
+share a native one, else as bytes, then the header.
 """
 
 from __future__ import annotations
