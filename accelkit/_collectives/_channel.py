@@ -14,6 +14,7 @@ Every channel of a process shares one :class:`~._wire.Wire`, chosen once from th
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -34,7 +35,7 @@ class Pending(NamedTuple):
     """A verdict on its way from the device: ``read`` waits for it; ``call`` is the call it judges (for the
     table). A broadcast's receiver also keeps ``seen``, the source's header (still on the device), and ``src``."""
 
-    read: Any  # Callable[[], bool]
+    read: Callable[[], bool]
     call: Call
     seen: torch.Tensor | None
     src: int

@@ -105,7 +105,7 @@ class Broadcast:
         return out, verdict
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
-        return True  # a receiver's result is the message at any size: nothing to copy out
+        return True  # the header rides at any size: its message is the copy raw code makes anyway
 
     def theirs(self) -> bytes:
         """The source's header as this receiver saw it (read from the device, where it still is)."""
