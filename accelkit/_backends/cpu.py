@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -34,6 +34,12 @@ class CPUBackend:
 
     def read_later(self, flag: torch.Tensor) -> bool:
         return is_set(flag)  # host memory: reading it never waits for a device
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device)
+
+    def wire(self, dist_backend: str) -> Literal["host", "loopback"]:
+        return "loopback" if dist_backend == "fake" else "host"
 
 
 class ToDevice:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 
@@ -87,6 +87,12 @@ class CUDABackend:
             return is_set(host)
 
         return read
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.pin_memory().to(device, non_blocking=True)  # from pinned memory: the host does not wait
+
+    def wire(self, dist_backend: str) -> Literal["device"]:
+        return "device"
 
 
 class CUDATransfer:

@@ -24,7 +24,7 @@ from .. import _collectives, _state, _tree
 from .._options import is_int
 from .._state import ProcessState
 from ._loader import ActiveLoader, LoaderPlan, Order, PreparedDataLoader
-from ._parallel import DataParallel, data_parallel, keep_data_parallel
+from ._parallel import DataParallel, data_parallel
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
 T = TypeVar("T")
@@ -206,13 +206,12 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
     entry: ActiveLoader | None = active[-1] if active else None
     cut = entry.padding if entry is not None and entry.at_last_batch else 0
     size = entry.global_size if entry is not None else 0
-    dp = data_parallel(st)
     if use_gather_object:
-        parts = keep_data_parallel(_collectives.gather_object(data), dp)
+        parts = _collectives.gather_object(data, group="dp")
         items = [x for part in parts for x in (part if isinstance(part, (list, tuple)) else (part,))]
         return items[: size - cut] if cut and len(items) == size else items
-    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged) and dp.group is None:  # no tree
-        everyone = _collectives.gather(data)
+    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged):  # one tensor: no tree to build
+        everyone = _collectives.gather(data, group="dp")
         return everyone[: size - cut] if cut and everyone.shape[0] == size else everyone
     try:
         leaves, spec = _tree.flatten(data, "accelkit.gather_for_metrics")
@@ -220,31 +219,27 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
         raise TypeError(f"{exc} Or pass use_gather_object=True for non-tensor data.") from None
     if not leaves:
         return data
-    if entry is not None and entry.ragged:
-        out = _gather_ragged(leaves, st.world_size, dp)
-    else:
-        out = _collectives.gather(leaves)
-        if dp.group is not None:  # the ranks of a tensor-parallel group sent the same samples: keep one of each
-            out = [torch.cat(keep_data_parallel(list(x.chunk(st.world_size)), dp)) for x in out]
+    ragged = entry is not None and entry.ragged
+    out = _gather_ragged(leaves) if ragged else _collectives.gather(leaves, group="dp")
     if cut:
         out = [x[: size - cut] if x.shape[0] == size else x for x in out]
     return _tree.unflatten(spec, out)
 
 
-def _gather_ragged(leaves: list[torch.Tensor], world: int, dp: DataParallel) -> list[torch.Tensor]:
-    """Gather tensors whose first dimension differs between ranks: sizes first, then data."""
+def _gather_ragged(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gather tensors whose first dimension differs between the data-parallel ranks: sizes first, then data."""
     leaves = [x.reshape(1) if x.dim() == 0 else x for x in leaves]
-    sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device))
-    table = sizes.view(world, len(leaves)).tolist()
+    sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device), group="dp")
+    table = sizes.view(-1, len(leaves)).tolist()
+    world = len(table)
     longest = [max(column) for column in zip(*table, strict=True)]
     padded = [
         torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))]) if x.shape[0] < m else x
         for x, m in zip(leaves, longest, strict=True)
     ]
-    gathered = _collectives.gather(padded)
-    ranks = keep_data_parallel(list(range(world)), dp)
+    gathered = _collectives.gather(padded, group="dp")
     return [
-        torch.cat([g[r * m : r * m + table[r][i]] for r in ranks])
+        torch.cat([g[r * m : r * m + table[r][i]] for r in range(world)])
         for i, (g, m) in enumerate(zip(gathered, longest, strict=True))
     ]
 
