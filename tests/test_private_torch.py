@@ -30,8 +30,8 @@ NOT_TORCH = {
     "_self_instance",  # wrapt's bound function wrapper
     "_inheriting",  # multiprocessing's mark of a process importing the main module (spawn's, Python 3.10 to 3.13)
 }  # fmt: skip
-# torch attributes without an underscore that torch does not document (DDP's internals).
-WATCHED = {"require_backward_grad_sync", "reducer"}
+# torch attributes without an underscore that torch does not document (DDP's internals, DCP's storage info).
+WATCHED = {"require_backward_grad_sync", "reducer", "relative_path", "transform_descriptors"}
 
 
 def _sources() -> dict[Path, ast.Module]:
