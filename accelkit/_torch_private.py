@@ -39,12 +39,22 @@ NAMES = {
     "DistributedDataParallel.require_backward_grad_sync": "read, never written: whether a prepared DDP model's "
     "backward all-reduces now (its own no_sync() turns it off), for the heartbeat's proof that a rank waits for "
     "every other; DDP has no public getter",
+    "torch.distributed.nn.functional's __defaults__": "rewritten, group.WORLD -> None, when accelkit destroys a "
+    "group: its functions' defaults hold the group that existed when it was imported (DDP imports it), which "
+    "keeps that group's gloo connections open after it is destroyed; no public way to drop them",
     "powerSGD_hook._orthogonalize": "probing whether torch's batched PowerSGD hook can run (it fails in backward "
     "on torch versions whose helper wants a batch)",
     "_get_layout of torch's serialization module": "named, not used: a pickled layout (in DCP metadata) is a call "
     "of it, which the metadata unpickler answers with layout_named, from torch's public layouts",
     "torch.distributed.checkpoint.filesystem._StorageInfo": "a class DCP metadata holds: the metadata unpickler "
     "builds it (no public equivalent)",
+    "_StorageInfo.relative_path/offset/length/transform_descriptors": "where each item of a sharded checkpoint "
+    "lies (storage_item): its non-tensor items are unpickled safely before the load, and the ranges a load reads "
+    "from an object store are verified before it; transform_descriptors is absent before torch 2.6",
+    "FileSystemWriter.fs/.path, FileSystemReader.fs/.path": "DCP does its file work through them "
+    "(use_filesystem): accelkit's FileSystem writes into a save's files (checksummed, local or an object store) "
+    "and reads a load's verified snapshot; no public argument takes a FileSystem (DCP's own FsspecWriter and "
+    "FsspecReader set them the same way, in a private module)",
 }
 
 # How torch pickles a layout (torch.strided, ...): a call of this function by its module and name, with the
@@ -60,6 +70,18 @@ def layout_named(name: str) -> torch.layout:
     if not isinstance(found, torch.layout):
         raise ValueError(f"{name!r} is not a torch layout")
     return found
+
+
+def storage_item(metadata: Any, index: Any) -> tuple[str, int, int, tuple[Any, ...]]:
+    """Where the item ``index`` of DCP's ``metadata`` lies: (file, offset, length, the transforms it was stored by)."""
+    info = metadata.storage_data[index]
+    transforms = tuple(getattr(info, "transform_descriptors", None) or ())  # a field from torch 2.6 on
+    return str(info.relative_path), int(info.offset), int(info.length), transforms
+
+
+def use_filesystem(io: Any, fs: Any, path: Any) -> None:
+    """Make DCP's ``FileSystemWriter`` or ``FileSystemReader`` ``io`` do its file work through ``fs`` in ``path``."""
+    io.fs, io.path = fs, path
 
 
 def _missing(name: str) -> RuntimeError:
@@ -117,6 +139,16 @@ def release_ddp(ddp: nn.parallel.DistributedDataParallel) -> None:
 def ddp_syncs(ddp: nn.parallel.DistributedDataParallel) -> bool:
     """Whether ``ddp``'s next backward all-reduces its gradients (False inside its ``no_sync()``)."""
     return bool(getattr(ddp, "require_backward_grad_sync", False))  # not known: no proof
+
+
+def unpin_from_defaults(group: Any) -> None:
+    """Free ``group`` from torch.distributed.nn.functional's defaults (``def all_reduce(tensor, op=...,
+    group=group.WORLD)``): ``None`` means the default group to torch.distributed, as the defaults intend."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            function.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def batched_power_sgd_runs() -> bool:

@@ -4,8 +4,8 @@
   returns every rank's result.
 - :class:`WorkerPool` keeps a group of workers alive and sends them one task after
   another, so that property tests do not pay a process start per example.
-- :func:`free_port` names a TCP port free on 127.0.0.1 now, for a test that starts its own
-  launch (``master_port=free_port()``) or store.
+- :func:`free_port` gives a TCP port on 127.0.0.1 for a test that starts its own launch
+  (``master_port=free_port()``) or store, kept from every other process meanwhile.
 
 ``device="cpu"`` (the default) keeps every worker on the CPU on every path: in every task,
 after a restart, and when a task resets the state (``ak.reset_state()``, then ``ak.init(...)``),
@@ -27,12 +27,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from . import _env, _frames, _state
-from ._launcher import check_picklable, free_port, run_workers
+from ._launcher import check_picklable, run_workers
 from ._options import LaunchSettings, StateOptions, validate
 from ._rundir import exception_name, lost_peer
 from .errors import WorkerError, WorkerFailure
@@ -44,6 +46,35 @@ __all__ = ["WorkerDevice", "WorkerPool", "free_port", "run_distributed"]
 
 WorkerDevice = Literal["cpu", "cuda"]
 _DEVICES: tuple[str, ...] = get_args(WorkerDevice)
+_KEPT_PORTS = 64
+_kept: list[socket.socket] = []  # the ports free_port() gave, still bound here (the last _KEPT_PORTS)
+_kept_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 for a test's own launch or store (``master_port=free_port()``), kept for it.
+
+    The port stays bound in this process, with ``SO_REUSEADDR`` and never listening, until 64 more
+    ports have been asked for or the process ends: the kernel gives it to no other socket meanwhile
+    (no other process's ``bind`` to port 0, no outgoing connection), while the server the test
+    starts binds it all the same (``TCPStore``, torchrun's and accelkit's launchers bind with
+    ``SO_REUSEADDR``). A port that was only free when asked could be taken by another process in
+    the seconds a busy machine needs to start that server: the launch would fail, or a rank told
+    that port would join another job's store and take a rank's place there.
+
+    Example:
+        >>> from accelkit.testing import free_port
+        >>> 1024 < free_port() < 65536
+        True
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    with _kept_lock:
+        _kept.append(sock)
+        if len(_kept) > _KEPT_PORTS:
+            _kept.pop(0).close()
+    return int(sock.getsockname()[1])
 
 
 def _worker_env(device: object, options: dict[str, Any], call: str) -> dict[str, str]:

@@ -20,16 +20,26 @@ The last row is the stall a training loop sees for ``save_state(blocking=False)`
 state (a larger model and its AdamW moments), against the blocking save of the same state: the
 call returns once the state is copied to host memory, into buffers kept from the first
 asynchronous save (a warm-up save allocates them, and is not counted); target <= 0.1x.
+The S3 rows save and load the first state to a bucket of moto's S3 server on 127.0.0.1 (the server
+the tests use: ``tests/s3_server.py``), through s3fs, against what a script does by hand with the
+same bytes: ``torch.save`` into memory and ``fs.pipe_file`` (s3fs uploads the parts at once), and
+``fs.cat_file`` (its parts read at once) into ``torch.load`` + both ``load_state_dict``. accelkit
+checksums every byte on the way up, writes the manifest last, and on the way down reads each 64 MiB
+piece with a request of its own and verifies it before anything is loaded. The server runs on the
+same two cores as the benchmark; skipped without moto's server or s3fs.
 The machine is shared: every figure is a median of paired runs, and moves from run to run.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from _common import Row, paired_row
@@ -201,6 +211,61 @@ def _single_rounds(root: str, n: int) -> tuple[float, list[float], list[float], 
     return mb, *saves, *loads
 
 
+def _s3_rows(quick: bool) -> list[Row]:
+    """accelkit to and from S3 (moto on 127.0.0.1) against torch.save + s3fs put, s3fs get + torch.load."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import s3_server
+
+    if s3_server.missing():
+        print(f"checkpoint: the S3 rows are skipped: {s3_server.missing()}")
+        return []
+    model, opt, mb = _state()
+    saves: tuple[list[float], list[float]] = ([], [])
+    loads: tuple[list[float], list[float]] = ([], [])
+    before = dict(os.environ)
+    with s3_server.serving() as env:
+        try:
+            s3_server.use(env)
+            s3_server.make_bucket("bench")
+            import fsspec
+
+            fs, _ = fsspec.core.url_to_fs("s3://bench")
+            for i in range(3 if quick else 5):
+                ours, ref = f"s3://bench/ak-{i}", f"bench/ref-{i}.pt"
+
+                def ak_save(ours: str = ours) -> None:
+                    ak.save_state(ours, model=model, optimizer=opt)
+
+                def ref_save(ref: str = ref) -> None:
+                    buffer = io.BytesIO()
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+                    fs.pipe_file(ref, buffer.getvalue())
+
+                def ak_load(ours: str = ours) -> None:
+                    ak.load_state(ours, model=model, optimizer=opt)
+
+                def ref_load(ref: str = ref) -> None:
+                    state = torch.load(io.BytesIO(fs.cat_file(ref)), weights_only=True)
+                    model.load_state_dict(state["model"])
+                    opt.load_state_dict(state["optimizer"])
+
+                for a, b, samples in ((ak_save, ref_save, saves), (ak_load, ref_load, loads)):
+                    first, second = (a, b) if i % 2 == 0 else (b, a)
+                    t1, t2 = _timed(first), _timed(second)
+                    samples[0].append(mb / (t1 if first is a else t2))
+                    samples[1].append(mb / (t2 if first is a else t1))
+                fs.rm(f"bench/ak-{i}", recursive=True)
+                fs.rm_file(ref)
+        finally:
+            ak.reset_state()
+            os.environ.clear()
+            os.environ.update(before)
+    return [
+        paired_row(f"save_state to S3 {mb:.0f} MB (vs torch.save + s3fs put)", *saves, unit="MB/s"),
+        paired_row(f"load_state from S3 {mb:.0f} MB (vs s3fs get + torch.load)", *loads, unit="MB/s"),
+    ]
+
+
 def run(quick: bool) -> list[Row]:
     root = tempfile.mkdtemp(prefix="accelkit-bench-ckpt-", dir=os.environ.get("ACCELKIT_BENCH_DIR"))
     try:
@@ -212,6 +277,7 @@ def run(quick: bool) -> list[Row]:
         paired_row(f"save_state {mb:.0f} MB (vs torch.save + fsync)", ak_save, ref_save, unit="MB/s"),
         paired_row(f"load_state {mb:.0f} MB (vs torch.load)", ak_load, ref_load, unit="MB/s"),
         *_sharded_rows(quick),
+        *_s3_rows(quick),
     ]
     for row in rows:
         row["ok"] = row["ratio"] >= TARGET_RATIO

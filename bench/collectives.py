@@ -19,20 +19,29 @@ turn: the ``Accelerate:`` rows give its ratio against the same raw reference.
 pairs on torch's in-process fake process group (collectives that do nothing), in a child
 process; their ``diff`` is the µs accelkit spends around each torch.distributed call.
 
+``--instructions`` counts instead the machine instructions each call runs on the fake group
+(valgrind's callgrind, thousands per call: ``kI``), for accelkit, raw torch.distributed and
+Accelerate: a measure of host work that a loaded machine does not move (about 3 minutes; needs
+``valgrind`` on the PATH).
+
 ``world N`` rows sweep the world size (2, 4 and 8 processes on this machine: more processes
 than cores, so the absolute times grow; the ratio is what compares): µs per call against raw,
 and the bytes each rank sends per call (``bytes/call`` rows: what the process wrote to its
 sockets, from ``/proc/self/io``) against raw.
 
-Run ``python bench/collectives.py [--quick] [--no-sweep] [--only=gather,reduce]`` or through ``bench/run.py``
-(``--only`` keeps the cases whose names begin so).
+Run ``python bench/collectives.py [--quick] [--no-sweep] [--only=gather,reduce] [--instructions]`` or through
+``bench/run.py`` (``--only`` keeps the cases whose names begin so).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -191,6 +200,63 @@ def _added_cpu(quick: bool, only: tuple[str, ...] = ()) -> list[tuple[str, list[
         dist.destroy_process_group()
 
 
+def _counted(only: tuple[str, ...] = ()) -> None:
+    """In a child under callgrind: each contender's calls on a fake 2-process group, counted (they run inside
+    ``functools.reduce``, the one function whose instructions callgrind collects), each followed by a dump
+    (callgrind dumps before ``os.getppid``). Prints which case each dump holds."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        dumps = []
+        for name, ours, ref, theirs in _cases(0, only):
+            if "1e3" not in name and "dict" not in name:
+                continue  # the work around the backend call does not depend on the size
+            for who, fn in (("accelkit", ours), ("raw", ref), ("Accelerate", theirs)):
+                if fn is None:
+                    continue
+                for _ in range(30):
+                    fn()
+                functools.reduce(lambda _, __, fn=fn: fn(), range(COUNTED), None)
+                os.getppid()
+                dumps.append((name, who))
+        print(json.dumps(dumps))
+    finally:
+        import accelkit as ak
+
+        ak.reset_state()
+        dist.destroy_process_group()
+
+
+COUNTED = 50  # calls per count
+
+
+def instructions(only: tuple[str, ...] = ()) -> list[Row]:
+    """Thousands of instructions per call on the fake group, accelkit against raw (and Accelerate's rows)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "counts")
+        cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
+               "--dump-before=os_getppid", f"--callgrind-out-file={out}", sys.executable, __file__, "--counted",
+               f"--only={','.join(only)}"]  # fmt: skip
+        _, stdout = run_child(cmd, child_env(ACCELKIT_CPU="1"), timeout=3600)
+        dumps = json.loads(stdout.strip().splitlines()[-1])
+        counts: dict[tuple[str, str], float] = {}
+        for i, key in enumerate(dumps, start=1):
+            with open(f"{out}.{i}") as f:
+                total = next(int(line.split()[1]) for line in f if line.startswith("summary:"))
+            counts[tuple(key)] = total / COUNTED / 1000  # type: ignore[index]
+    rows = []
+    for name in dict.fromkeys(name for name, _ in dumps):
+        ref = counts[name, "raw"]
+        rows.append(paired_row(f"instructions: {name} (fake group)", [counts[name, "accelkit"]], [ref], unit="kI"))
+        if (name, "Accelerate") in counts:
+            rows.append(paired_row(f"  Accelerate: {name}", [counts[name, "Accelerate"]], [ref], unit="kI"))
+    return rows
+
+
 SWEEP_WORLDS = (2, 4, 8)
 SWEEP_SIZES = {"1e3": 1_000, "1e6": 1_000_000}
 
@@ -280,16 +346,26 @@ def run(quick: bool) -> list[Row]:
 
 
 def main(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return
     if "--added-cpu" in argv:
         print(json.dumps(_added_cpu("--quick" in argv, _only(argv))))
         return
-    rows = sweep("--quick" in argv) if "--sweep" in argv else run("--quick" in argv)
+    if "--counted" in argv:
+        _counted(_only(argv))
+        return
+    if "--instructions" in argv:
+        rows = instructions(_only(argv))
+    else:
+        rows = sweep("--quick" in argv) if "--sweep" in argv else run("--quick" in argv)
     print(f"{'case':52} {'accelkit':>10} {'raw':>10} {'diff':>9} {'ratio':>7}")
     for row in rows:
         flag = "" if row["ok"] is None else "  ok" if row["ratio"] <= TARGET_RATIO else "  OVER"
+        unit = row["unit"]
         print(
-            f"{row['name']:52} {row['accelkit']:8.1f}us {row['reference']:8.1f}us "
-            f"{row['diff']:+7.1f}us {row['ratio']:6.3f}x{flag}"
+            f"{row['name']:52} {row['accelkit']:8.1f}{unit} {row['reference']:8.1f}{unit} "
+            f"{row['diff']:+7.1f}{unit} {row['ratio']:6.3f}x{flag}"
         )
 
 

@@ -2,7 +2,8 @@
 
     python integrity_race_script.py ROOT same|prune SECONDS
 
-``same`` saves into ``ROOT/ckpt`` each time; ``prune`` into ``ROOT/step-I`` with ``keep_last=1``. Save
+``same`` saves into ``ROOT/ckpt`` each time; ``prune`` into ``ROOT/step-I`` with ``keep_last=1``. ROOT may
+be a URL (``s3://bucket/run``). Save
 ``I`` (1, 2, ...) fills every parameter and every tensor of the optimizer's state with ``float(I)``, so
 that a load that mixes two saves is told by its values alone (:func:`filled_with`).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,16 +51,16 @@ def filled_with(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, list[
 def main() -> None:
     import accelkit as ak
 
-    root, mode, seconds = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    root, mode, seconds = sys.argv[1].rstrip("/"), sys.argv[2], float(sys.argv[3])
     model, opt = make()
     end, step = time.monotonic() + seconds, 0
     while time.monotonic() < end:  # the test kills it long before
         step += 1
         fill(model, opt, float(step))
         if mode == "same":
-            ak.save_state(root / "ckpt", model=model, optimizer=opt, step=step)
+            ak.save_state(f"{root}/ckpt", model=model, optimizer=opt, step=step)
         else:
-            ak.save_state(root / f"step-{step}", keep_last=1, model=model, optimizer=opt, step=step)
+            ak.save_state(f"{root}/step-{step}", keep_last=1, model=model, optimizer=opt, step=step)
 
 
 if __name__ == "__main__":

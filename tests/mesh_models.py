@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,10 +95,17 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_on_mesh(
-    batch: int, steps: int, accumulate: int, precision: str = "no", checkpointed: bool = True, **mesh: Any
+    batch: int,
+    steps: int,
+    accumulate: int,
+    precision: str = "no",
+    checkpointed: bool = True,
+    params: Callable[[nn.Module], dict[str, Any]] = full_params,
+    **mesh: Any,
 ) -> dict[str, Any]:
     """Trains ``Net`` on the mesh ``mesh`` (ak.init's sizes) with accelkit: the loader sharded, the
-    gradients accumulated and clipped, the loss reduced; every rank's view."""
+    gradients accumulated and clipped, the loss reduced; every rank's view (``params`` reads the
+    parameters: whole by default)."""
     ak.init(precision=precision, fsdp_wrap=("Block",), **mesh)  # type: ignore[arg-type]
     model = make_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -119,7 +127,7 @@ def train_on_mesh(
             opt.zero_grad()
         losses.append(float(ak.reduce(loss.detach(), op="mean")))
     return {
-        "params": full_params(model),
+        "params": params(model),
         "norms": norms,
         "losses": losses,
         "seen": seen,

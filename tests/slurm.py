@@ -24,7 +24,7 @@ from pathlib import Path
 
 from processes import alive, subprocess_env
 
-from accelkit.testing import free_port
+from accelkit._launcher import free_port as daemon_port  # free now, not kept: slurm's daemons bind it themselves
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "scontrol", "sinfo", "squeue")
 
@@ -174,7 +174,7 @@ def cluster(timeout: float = 60) -> Iterator[Cluster]:
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # readable by root only, from the start
         os.write(fd, os.urandom(128))
         os.close(fd)
-        slurm.conf.write_text(_conf(root, slurm.node, (free_port(), free_port())))
+        slurm.conf.write_text(_conf(root, slurm.node, (daemon_port(), daemon_port())))
         munged = ["munged", "--foreground", f"--key-file={key}", f"--socket={root}/munge.socket",
                   f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed",
                   f"--log-file={root}/munged.log"]  # fmt: skip

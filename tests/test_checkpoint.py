@@ -21,8 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from weights import load_weights
 
 import accelkit as ak
-from accelkit import _checksum, _safe_io
-from accelkit._checkpoint import CheckpointError, _manifest
+from accelkit._checkpoint import CheckpointError, _integrity, _manifest, _storage
 from accelkit.testing import WorkerPool, run_distributed
 
 # --- a small run with shuffling and dropout ---------------------------------------------------
@@ -191,7 +190,7 @@ def test_kill_at_any_point_leaves_old_or_new(tmp_path: Path, point: str, same_di
     new = tmp_path / ("a" if same_dir else "b")
 
     def crash() -> None:
-        _safe_io.crash_hook = kill_at(point)  # asynchronously: the background thread kills the process
+        _storage.crash_hook = kill_at(point)  # asynchronously: the background thread kills the process
         save_pair(new, 2.0, blocking=blocking)
 
     status = in_child(crash)
@@ -214,7 +213,7 @@ def test_an_error_mid_save_commits_nothing(tmp_path: Path, point: str, monkeypat
         if label == point:
             raise RuntimeError(f"injected at {point}")
 
-    monkeypatch.setattr(_safe_io, "crash_hook", fail)
+    monkeypatch.setattr(_storage, "crash_hook", fail)
     with pytest.raises(CheckpointError, match=f"(?s)nothing was committed.*injected at {point}"):
         save_pair(tmp_path / "a", 2.0)
     assert saved_fill(tmp_path / "a") == 1.0 and ak.latest_checkpoint(tmp_path) == tmp_path / "a"
@@ -229,7 +228,7 @@ def test_rotation_never_leaves_zero_checkpoints(tmp_path: Path, point: str, bloc
     assert os.listdir(tmp_path) == ["step-2"]
 
     def crash() -> None:
-        _safe_io.crash_hook = kill_at(point.replace("step-1", "step-2"))
+        _storage.crash_hook = kill_at(point.replace("step-1", "step-2"))
         ak.save_state(tmp_path / "step-3", model=small_model(3.0), keep_last=1, blocking=blocking)
         ak.wait_for_checkpoint()
 
@@ -269,13 +268,13 @@ def test_damaged_files_are_named_and_nothing_is_touched(tmp_path: Path, damage: 
 
 def test_a_changed_byte_in_any_piece_of_a_large_file_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Files are checksummed in pieces (64 MiB; 1 MiB here), verified by two threads; a mismatch names its piece."""
-    monkeypatch.setattr(_checksum, "PIECE", 1 << 20)
+    monkeypatch.setattr(_integrity, "PIECE", 1 << 20)
     torch.manual_seed(0)
     model = nn.Linear(1100, 1100)  # 4.8 MB of weights: four pieces and a part
     ak.save_state(tmp_path / "a", model=model)
     path = tmp_path / "a" / "model.pt"
     good = path.read_bytes()
-    record = json.loads((tmp_path / "a" / _manifest.MANIFEST).read_text())["body"]["files"]["model.pt"]
+    record = json.loads((tmp_path / "a" / "manifest.json").read_text())["body"]["files"]["model.pt"]
     assert record["piece"] == 1 << 20 and len(record["xxh3_128"]) == 5 and record["size"] == len(good)
     ak.load_state(tmp_path / "a", model=nn.Linear(1100, 1100))
     for at, piece in ((100, 1), ((1 << 20) + 5, 2), (len(good) - 3, 5)):  # in the first, second and last piece
@@ -314,17 +313,17 @@ class Payload:
 def forge(directory: Path, name: str, data: bytes) -> None:
     """Replace ``name`` by ``data`` and re-sign the manifest, as an attacker would."""
     (directory / name).write_bytes(data)
-    if name == _manifest.MANIFEST:
+    if name == "manifest.json":
         return
-    body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
-    body["files"][name] = {"size": len(data), "piece": _checksum.PIECE, "xxh3_128": [_checksum.digest(data)]}
+    body = json.loads((directory / "manifest.json").read_text())["body"]
+    body["files"][name] = {"size": len(data), "piece": _integrity.PIECE, "xxh3_128": [_integrity.digest(data)]}
     forged = _manifest.build(body["files"], body["objects"], body["values"], body["world_size"])
-    (directory / _manifest.MANIFEST).write_bytes(forged)
+    (directory / "manifest.json").write_bytes(forged)
 
 
 def test_checkpoints_of_another_format_version_are_refused_naming_the_version(tmp_path: Path) -> None:
     save_pair(tmp_path / "a", 3.0)
-    manifest = tmp_path / "a" / _manifest.MANIFEST
+    manifest = tmp_path / "a" / "manifest.json"
     body = json.loads(manifest.read_text())["body"]
     assert body["version"] == 3
     for version in (2, 4):  # sum64's format (never released), a later one
@@ -336,7 +335,7 @@ def test_checkpoints_of_another_format_version_are_refused_naming_the_version(tm
 
 def test_bytes_added_to_the_manifest_are_refused(tmp_path: Path) -> None:
     save_pair(tmp_path / "a", 3.0)
-    manifest = tmp_path / "a" / _manifest.MANIFEST
+    manifest = tmp_path / "a" / "manifest.json"
     good = manifest.read_bytes()
     for extra in (b"\n", b" ", b"{}"):
         manifest.write_bytes(good + extra)
@@ -377,7 +376,7 @@ def full_disk(*args: Any) -> int:
 
 def test_disk_full_raises_and_keeps_the_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_pair(tmp_path / "a", 1.0)
-    monkeypatch.setattr(_safe_io, "_write", full_disk)
+    monkeypatch.setattr(_storage, "_write", full_disk)
     with pytest.raises(CheckpointError, match=r"no space left on device writing .*model\.pt.*free some space"):
         save_pair(tmp_path / "b", 2.0)
     monkeypatch.undo()
@@ -410,13 +409,13 @@ def test_a_failed_fsync_fails_the_save_and_keeps_the_previous(tmp_path: Path, mo
 
 def save_with_full_disk_on_rank_1(root: str) -> None:
     ak.save_state(f"{root}/a", model=ak.prepare(small_model(1.0)), step=1)
-    write = _safe_io._write
+    write = _storage._write
     if ak.rank() == 1:
-        _safe_io._write = full_disk
+        _storage._write = full_disk
     try:
         ak.save_state(f"{root}/b", model=ak.prepare(small_model(2.0)), step=2)
     finally:
-        _safe_io._write = write
+        _storage._write = write
 
 
 def test_disk_full_on_one_rank_fails_every_rank(pool: WorkerPool, tmp_path: Path) -> None:

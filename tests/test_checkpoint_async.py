@@ -25,8 +25,8 @@ from test_checkpoint_sharded import assert_equal, run
 from torch_versions import needs_default_stager, needs_fsdp2_on_cpu
 
 import accelkit as ak
-from accelkit import _safe_io, _state
-from accelkit._checkpoint import CheckpointError, _async
+from accelkit import _state
+from accelkit._checkpoint import CheckpointError, _async, _storage
 from accelkit.testing import WorkerPool
 
 
@@ -43,9 +43,9 @@ def fail_in_the_background_on_rank_1(root: str) -> tuple[str, str, list[str], bo
     """An async save whose write fails on rank 1: (what save_state did, what the next call raised, what it left
     beside the checkpoints as the main process sees it then, retried)."""
     ak.save_state(f"{root}/a", model=ak.prepare(small_model(1.0)), step=1)
-    write = _safe_io._write
+    write = _storage._write
     if ak.rank() == 1:
-        _safe_io._write = full_disk
+        _storage._write = full_disk
     try:
         returned = str(ak.save_state(f"{root}/b", blocking=False, model=ak.prepare(small_model(2.0)), step=2))
         try:
@@ -56,7 +56,7 @@ def fail_in_the_background_on_rank_1(root: str) -> tuple[str, str, list[str], bo
             raised = "no error"
         left = hidden(root)
     finally:
-        _safe_io._write = write
+        _storage._write = write
     ak.save_state(f"{root}/b", blocking=False, model=ak.prepare(small_model(3.0)), step=3)  # the error was raised once
     ak.wait_for_checkpoint()
     return returned, raised, left, ak.read_checkpoint(f"{root}/b")["step"] == 3
@@ -78,7 +78,7 @@ def test_a_failed_save_removes_its_temporary_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
 ) -> None:
     ak.save_state(tmp_path / "a", model=small_model(1.0))
-    monkeypatch.setattr(_safe_io, "_write", full_disk)
+    monkeypatch.setattr(_storage, "_write", full_disk)
     with pytest.raises(
         CheckpointError, match=r"untouched and the temporary directory \.accelkit-tmp-b-\w+ was removed"
     ):
@@ -119,7 +119,7 @@ def test_a_full_disk_raises_at_the_next_save_state_and_at_end_training(tmp_path:
 def test_a_failure_no_call_reported_is_a_warning_at_reset_state_and_stays_on_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_safe_io, "_write", full_disk)
+    monkeypatch.setattr(_storage, "_write", full_disk)
     ak.save_state(tmp_path / "a", blocking=False, model=small_model(1.0))
     unreported = _async._unreported()
     try:
@@ -136,7 +136,7 @@ def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, monkeypatch: p
         if label == "before-rename":
             time.sleep(0.5)
 
-    monkeypatch.setattr(_safe_io, "crash_hook", slow)
+    monkeypatch.setattr(_storage, "crash_hook", slow)
     started = time.monotonic()
     ak.save_state(tmp_path / "a", blocking=False, model=small_model(1.0), keep_last=1)
     assert time.monotonic() - started < 0.5 and not (tmp_path / "a").exists(), "the first save is in flight"

@@ -34,7 +34,7 @@ from test_checkpoint_sharded import full_state
 from torch import nn
 
 import accelkit as ak
-from accelkit import _checksum
+from accelkit._checkpoint import _integrity
 from accelkit.testing import WorkerPool
 
 # --- what the messages say --------------------------------------------------------------------
@@ -161,7 +161,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     out = Checkpoints()
     objects = plain_objects(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_checksum, "PIECE", SMALL_PIECE, raising=False)
+        patch.setattr(_integrity, "PIECE", SMALL_PIECE, raising=False)
         for step in (1, 2):
             if step == 2:
                 train_step(objects["model"], objects["optimizer"], 7, lambda loss: loss.backward())
@@ -495,16 +495,18 @@ def test_two_sign_bits_flipped_4900_words_apart_are_found(tmp_path: Path) -> Non
 SCRIPT = Path(__file__).with_name("integrity_race_script.py")
 
 
-def race(root: Path, mode: str, target: Callable[[], Path | None], seconds: float = 3.0) -> Counter[str]:
-    """Load what ``target()`` names over and over for ``seconds`` while a child process saves; the outcomes.
+def race(
+    root: str, log: Path, mode: str, target: Callable[[], Path | str | None], seconds: float = 3.0
+) -> Counter[str]:
+    """Load what ``target()`` names over and over for ``seconds`` while a child process saves under ``root`` (a
+    path or a URL), its output in ``log``; the outcomes.
 
     Every load loads one save whole (all values that save's number) or raises CheckpointError leaving the
     objects as they were; anything else fails the test, saying how many loads went before.
     """
-    log = root / "saver.log"
     with open(log, "wb") as out:
         child = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(root), mode, "120"], env=subprocess_env(), stdout=out, stderr=out
+            [sys.executable, str(SCRIPT), root, mode, "120"], env=subprocess_env(), stdout=out, stderr=out
         )
     outcomes: Counter[str] = Counter()
     try:
@@ -557,7 +559,7 @@ def race(root: Path, mode: str, target: Callable[[], Path | None], seconds: floa
 
 @pytest.mark.slow
 def test_loads_while_saves_replace_the_checkpoint_load_one_whole_save(tmp_path: Path) -> None:
-    outcomes = race(tmp_path, "same", lambda: tmp_path / "ckpt")
+    outcomes = race(str(tmp_path), tmp_path / "saver.log", "same", lambda: tmp_path / "ckpt")
     print(dict(outcomes))
     assert outcomes["loaded"] >= 3, outcomes
     assert outcomes["distinct steps loaded"] >= 2, f"no save replaced the checkpoint during the loads: {outcomes}"
@@ -565,7 +567,7 @@ def test_loads_while_saves_replace_the_checkpoint_load_one_whole_save(tmp_path: 
 
 @pytest.mark.slow
 def test_loads_of_the_latest_while_keep_last_prunes_it_load_one_whole_save(tmp_path: Path) -> None:
-    outcomes = race(tmp_path, "prune", lambda: ak.latest_checkpoint(tmp_path))
+    outcomes = race(str(tmp_path), tmp_path / "saver.log", "prune", lambda: ak.latest_checkpoint(tmp_path))
     print(dict(outcomes))
     assert outcomes["loaded"] >= 3, outcomes
     assert outcomes["distinct steps loaded"] >= 2, f"no save pruned the checkpoint during the loads: {outcomes}"

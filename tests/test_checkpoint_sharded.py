@@ -23,8 +23,7 @@ from torch_versions import needs_fsdp2_on_cpu
 from weights import load_weights
 
 import accelkit as ak
-from accelkit import _checksum, _safe_io
-from accelkit._checkpoint import CheckpointError, _commit, _manifest
+from accelkit._checkpoint import CheckpointError, _integrity, _manifest, _storage
 from accelkit.testing import WorkerPool, run_distributed
 
 # --- a small sharded run ----------------------------------------------------------------------
@@ -105,7 +104,7 @@ def test_resume_on_the_same_world_size_is_bit_exact(pool: WorkerPool, tmp_path: 
     assert not torch.equal(saved[0]["0.weight"], reference[0]["0.weight"]), "training moved the weights"
     assert "0.weight.exp_avg" in reference[0] and "2.bias.step" in reference[0]
     ckpt = tmp_path / "run" / "ckpt"
-    body = _manifest.read(ckpt)
+    body = json.loads((ckpt / "manifest.json").read_text())["body"]
     assert body["sharded"] == ["model", "optimizer"] and body["objects"] == ["model", "optimizer"]
     for name in ("model", "optimizer"):
         on_disk = sorted(os.listdir(ckpt / f"{name}.dcp"))
@@ -162,13 +161,13 @@ def save_fails_on_rank_1(root: str) -> tuple[str, dict[str, torch.Tensor]]:
     ak.save_state(f"{root}/a", model=model, optimizer=opt, step=1)
     first = full_state(model, opt)
     train_step(model, opt, 1)
-    _safe_io.crash_hook = fail_mid_shard if ak.rank() == 1 else None
+    _storage.crash_hook = fail_mid_shard if ak.rank() == 1 else None
     try:
         ak.save_state(f"{root}/a", model=model, optimizer=opt, step=2)
     except CheckpointError as exc:
         return str(exc), first
     finally:
-        _safe_io.crash_hook = None
+        _storage.crash_hook = None
     return "no error", first
 
 
@@ -197,7 +196,7 @@ def kill_mid_second_save(root: str, point: str, victim: int, blocking: bool = Tr
         if label == point:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    _safe_io.crash_hook = kill if ak.rank() == victim else None
+    _storage.crash_hook = kill if ak.rank() == victim else None
     ak.save_state(f"{root}/run/ckpt", model=model, optimizer=opt, step=2, blocking=blocking)
     train_step(model, opt, 2)  # asynchronously: killed while training on
     ak.wait_for_checkpoint()
@@ -230,7 +229,8 @@ def test_a_worker_killed_mid_sharded_save_keeps_the_previous_checkpoint(
     assert info.value.ranks[0] == victim and f"rank {victim} failed" in str(info.value) and "SIGKILL" in str(info.value)
     assert next(f for f in info.value.failures if f.rank == victim).exitcode == -signal.SIGKILL
     folder, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
-    assert [name for name in os.listdir(folder) if name.startswith(_commit.TMP)], "the kill came before the save began"
+    left = [name for name in os.listdir(folder) if name.startswith(".accelkit-tmp-")]
+    assert left, "the kill came before the save began"
     assert ak.latest_checkpoint(folder) == ckpt
     values, state = load_on_one_process(ckpt)  # load_state checks every file against the manifest first
     assert values == {"step": 1}
@@ -276,11 +276,11 @@ def test_a_damaged_dcp_file_is_named_on_every_rank(pool: WorkerPool, tmp_path: P
 
 def read_fails_on_rank_1(root: str) -> str:
     """Save, then load while rank 1's reads of verified shards fail (a disk error): every rank's error."""
-    from accelkit._checkpoint import _sharded
+    from accelkit._checkpoint import _sharded_load
 
     model, opt = sharded_model()
     ak.save_state(f"{root}/a", model=model, optimizer=opt)
-    reader = _sharded._reader_type()  # DCP's FileSystemReader, over the checkpoint's snapshot
+    reader = _sharded_load._reader_type()  # DCP's FileSystemReader, over the checkpoint's snapshot
     read_data = reader.read_data
 
     def broken_read(*args: Any, **kwargs: Any) -> Any:
@@ -316,12 +316,12 @@ class Payload:
 
 def forge(directory: Path, files: dict[str, bytes]) -> None:
     """Replace ``files`` and re-sign the manifest, as an attacker would."""
-    body = json.loads((directory / _manifest.MANIFEST).read_text())["body"]
+    body = json.loads((directory / "manifest.json").read_text())["body"]
     for name, data in files.items():
         (directory / name).write_bytes(data)
-        body["files"][name] = {"size": len(data), "piece": _checksum.PIECE, "xxh3_128": [_checksum.digest(data)]}
+        body["files"][name] = {"size": len(data), "piece": _integrity.PIECE, "xxh3_128": [_integrity.digest(data)]}
     signed = _manifest.build(body["files"], body["objects"], body["values"], body["world_size"], body["sharded"])
-    (directory / _manifest.MANIFEST).write_bytes(signed)
+    (directory / "manifest.json").write_bytes(signed)
 
 
 def plant_bytes_payload(folder: Path, marker: Path) -> dict[str, bytes]:
@@ -381,7 +381,7 @@ def test_no_code_runs_from_dcp_metadata_or_items(pool: WorkerPool, tmp_path: Pat
 
 def plant_stray_file(root: str) -> Callable[[str], None]:
     def hook(label: str) -> None:
-        if label == "after-file:.metadata.tmp":  # rank 0, at the end of dcp.save
+        if label == "before-file:.metadata.tmp":  # rank 0, at the end of dcp.save (on its thread: no race)
             for folder in Path(root).glob(".accelkit-tmp-*/model.dcp"):
                 (folder / "stray.bin").write_bytes(b"?")
 
@@ -403,13 +403,13 @@ def misuse(root: str) -> tuple[list[str], bool]:
         ak.load_state(f"{root}/plain", model=model, optimizer=opt)
     except CheckpointError as exc:
         messages.append(str(exc))
-    _safe_io.crash_hook = plant_stray_file(root)
+    _storage.crash_hook = plant_stray_file(root)
     try:
         ak.save_state(f"{root}/stray", model=model)
     except CheckpointError as exc:
         messages.append(str(exc))
     finally:
-        _safe_io.crash_hook = None
+        _storage.crash_hook = None
     return messages, loaded
 
 
@@ -470,7 +470,7 @@ def test_no_module_of_accelkit_parses_archives_or_dcp_files_itself() -> None:
     import accelkit
 
     root = Path(accelkit.__file__).parent
-    for path in [*(root / "checkpoint").rglob("*.py"), root / "_safe_io.py", root / "_checksum.py"]:
+    for path in [*(root / "_checkpoint").rglob("*.py"), root / "_safe_io.py"]:
         text = path.read_text()
         for word in ("zipfile", "struct.unpack", "PK\\x03\\x04", "UntypedStorage.from_file", "storage_offsets"):
             assert word not in text, f"{path.relative_to(root.parent)} uses {word}"

@@ -144,7 +144,7 @@ def test_bad_flag_values_stop_before_anything_starts(
         (["--mpirun", "--num-nodes", "2"], ["mpirun places the processes itself"]),
         (["--mpirun", "--max-restarts", "1"], ["mpirun does not restart processes"]),
         (["--mpirun", "--hostfile", "no-such-hosts"], ["--hostfile 'no-such-hosts' does not exist"]),
-        (["--config-file", "no-such.yaml"], ["config file 'no-such.yaml'", "does not exist", "accelkit config"]),
+        (["--config-file", "no-such.yaml"], ["no-such.yaml' (from --config-file", "does not exist", "accelkit config"]),
     ],
 )
 def test_bad_combinations_stop_before_anything_starts(

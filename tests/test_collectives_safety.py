@@ -180,7 +180,9 @@ def kept_after_many_calls() -> list[list[int]]:
         held.append(sorted(t.numel() for t in kept))
     # A small gather's message is this thread's reused buffer: its results are copies, each with storage of its own.
     first, second = ak.gather(torch.ones(1000)), ak.gather(torch.ones(1000))
-    buffers = {_scratch._BUFFERS[threading.get_ident()].tensor.untyped_storage().data_ptr()}
+    buffer = _scratch.mine()
+    assert buffer is not None
+    buffers = {buffer.tensor.untyped_storage().data_ptr()}
     storages = {t.untyped_storage().data_ptr() for t in (first, second)}
     held.append([len(buffers), len(storages), len(buffers | storages)])
     return held
@@ -199,9 +201,13 @@ def test_a_message_is_let_go_when_the_next_collective_begins(pool: WorkerPool) -
 
 
 def gathers_without_the_reused_buffer() -> list[Any]:
-    """The same gathers through this thread's reused buffer and without it (as on an accelerator, or for messages
-    beyond its limit), then a planned call that differs on one rank, without it."""
-    from accelkit import _tree
+    """The same gathers through this thread's reused buffer and without it (the host wire's way for messages beyond
+    its limit: the data as raw code moves it, the check beside), then a planned call that differs on one rank,
+    without it. The second half runs over a process group of the same two processes: a channel of its own, whose
+    plans are made while the buffer's limit is 0."""
+    import torch.distributed as dist
+
+    from accelkit import _state, _tree
     from accelkit._collectives import _scratch
 
     r = ak.rank()
@@ -211,11 +217,14 @@ def gathers_without_the_reused_buffer() -> list[Any]:
         {"a": torch.ones(3) * r, "b": torch.zeros(0)},
     ]
     lean = [ak.gather(d) for _ in range(3) for d in data]  # from the second round, each call rides in its plan
+    group = dist.new_group([0, 1])
     limit, _scratch.LIMIT = _scratch.LIMIT, 0
     try:
-        alone = [ak.gather(d) for _ in range(3) for d in data]
+        alone = [ak.gather(d, group=group) for _ in range(3) for d in data]
+        plans = _state.group.channels.groups[group].plans  # (a disagreement forgets them)
+        ways = sorted({p.tail for point in plans.values() for p in point.plans.values()})
         try:
-            ak.gather(data[0] if r == 0 else data[0].double())
+            ak.gather(data[0] if r == 0 else data[0].double(), group=group)
             caught = "nothing"
         except ak.DistributedOperationError as exc:
             caught = str(exc)
@@ -223,27 +232,28 @@ def gathers_without_the_reused_buffer() -> list[Any]:
         _scratch.LIMIT = limit
     same = [all(torch.equal(a, b) for a, b in zip(_tree.flatten(x, "")[0], _tree.flatten(y, "")[0], strict=True))
             for x, y in zip(lean, alone, strict=True)]  # fmt: skip
-    return [same, [t.tolist() for t in lean[3:5]], caught]
+    return [same, [t.tolist() for t in lean[3:5]], caught, ways]
 
 
 @pytest.mark.distributed
 def test_a_gather_without_the_reused_buffer_is_the_same_gather(pool: WorkerPool) -> None:
-    for same, values, caught in pool.run(gathers_without_the_reused_buffer):
+    for same, values, caught, ways in pool.run(gathers_without_the_reused_buffer):
         assert same == [True] * 9
         assert values == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], [0, 1]]
-        assert "float64" in caught and "float32" in caught
+        assert "float64" in caught and "float32" in caught and "over the process group of processes 0, 1" in caught
+        assert ways == [False]  # the group's plans moved their data beside the check
 
 
 def test_what_is_kept_for_a_thread_that_ended_goes() -> None:
     # A background save's thread keeps its last calls' tensors and ends; the next thread's first entry drops them.
-    from accelkit._collectives import _scratch
+    from accelkit._collectives import _exchange
 
     table: dict[int, Any] = {}
-    worker = threading.Thread(target=_scratch.mine, args=(table, list))
+    worker = threading.Thread(target=_exchange.mine, args=(table, list))
     worker.start()
     worker.join()
     assert len(table) == 1 and threading.get_ident() not in table
-    _scratch.mine(table, list)
+    _exchange.mine(table, list)
     assert list(table) == [threading.get_ident()]
 
 

@@ -5,6 +5,7 @@ batch samplers, on one process and on two gloo processes."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import warnings
 from collections import namedtuple
@@ -469,9 +470,13 @@ def test_one_process_seeds_its_workers_as_the_plain_loader(persistent: bool) -> 
         return DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, persistent_workers=persistent)
 
     ak.set_seed(0)
-    plain = run(make())
+    loader = make()
+    plain = run(loader)
     ak.set_seed(0)
-    assert run(prepare_dataloader(make())) == plain
+    prepared = prepare_dataloader(make())
+    assert run(prepared) == plain
+    del loader, prepared  # persistent workers end with their loader: now, not at some later collection
+    gc.collect()
 
 
 def _loaded_in_workers() -> tuple[list[float], list[float]]:

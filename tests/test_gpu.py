@@ -185,17 +185,72 @@ def test_the_prepared_loader_on_cuda_gives_the_cpu_loaders_batches() -> None:
     assert on_gpu["resumed"] and on_cpu["resumed"]
 
 
+# --- pinning: beside the step, never on the training thread, never twice ---------------------------
+
+LOADERS = {
+    "plain": {},
+    "plain, 2 workers": {"num_workers": 2},
+    "pinned": {"pin_memory": True},
+    "pinned, 2 workers": {"num_workers": 2, "pin_memory": True},
+}
+
+
+def pinning_threads() -> dict[str, Any]:
+    """Per kind of loader: which threads pinned how many tensors over two epochs, and the batches."""
+    import threading
+
+    pin_memory = torch.Tensor.pin_memory
+    pins: list[str] = []
+
+    def recorded(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        pins.append(threading.current_thread().name)
+        return pin_memory(self, *args, **kwargs)
+
+    data = TensorDataset(torch.arange(48.0).view(12, 4), torch.arange(12))
+    out: dict[str, Any] = {"main": threading.current_thread().name}
+    torch.Tensor.pin_memory = recorded  # type: ignore[method-assign]
+    try:
+        for name, options in LOADERS.items():
+            loader = ak.prepare(DataLoader(data, batch_size=3, **options))  # type: ignore[arg-type]
+            pins.clear()
+            epochs = [[[(str(t.device), (t * 1).cpu().tolist()) for t in batch] for batch in loader] for _ in range(2)]
+            out[name] = {"pins": sorted(set(pins)), "count": len(pins), "epochs": epochs, "flag": loader.pin_memory}
+    finally:
+        torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+    return out
+
+
+def test_a_prepared_loader_pins_beside_the_step_never_on_the_training_thread_never_twice() -> None:
+    (run,) = run_distributed(pinning_threads, num_processes=1, device="cuda", task_timeout=TIMEOUT)
+    want = [[[("cuda:0", [[4.0 * i + j for j in range(4)] for i in range(b, b + 3)]), ("cuda:0", list(range(b, b + 3)))]
+             for b in range(0, 12, 3)]] * 2  # fmt: skip
+    tensors = 2 * 4 * 2  # two tensors a batch, four batches an epoch, two epochs: each pinned once
+    for name in LOADERS:
+        got = run[name]
+        assert got["epochs"] == want, name
+        assert got["count"] == tensors, f"{name}: {got['count']} pins, {tensors} tensors"
+    assert run["plain"]["pins"] == ["accelkit-pin_0"] and not run["plain"]["flag"]  # the transfer's thread
+    for name in ("plain, 2 workers", "pinned, 2 workers"):  # DataLoader's pin-memory thread
+        assert run[name]["flag"] and run[name]["pins"] and run["main"] not in run[name]["pins"], (name, run[name])
+        assert not any(p.startswith("accelkit-pin") for p in run[name]["pins"]), (name, run[name])
+    assert run["pinned"]["pins"] == [run["main"]]  # the user's loader pins as it does unprepared; not again
+
+
 # --- zero host-device synchronisations per step -----------------------------------------------
 
 
-def steps_under_sync_debug_error(precision: str) -> float:
+def prepared_loop(precision: str, loader_options: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """A small model's prepared loop, its optimizer skipping overflowing steps on the device: (step, model,
+    scheduler); each ``step()`` takes the next batch (12 per epoch) and returns the loss."""
     ak.init(precision=precision)  # type: ignore[arg-type]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # skips overflowing steps on the device
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.99**step)
-    data = TensorDataset(torch.randn(8 * 12, 64), torch.randn(8 * 12, 1))
-    model, opt, loader, sched = ak.prepare(model, opt, DataLoader(data, batch_size=8, shuffle=True), sched)
+    n = 8 * ak.world_size() * 12
+    data = TensorDataset(torch.randn(n, 64), torch.randn(n, 1))
+    plain = DataLoader(data, batch_size=8, shuffle=True, **(loader_options or {}))
+    model, opt, loader, sched = ak.prepare(model, opt, plain, sched)
     batches = iter(loader)
 
     def step() -> torch.Tensor:
@@ -208,6 +263,11 @@ def steps_under_sync_debug_error(precision: str) -> float:
         opt.zero_grad()
         return loss
 
+    return step, model, sched
+
+
+def steps_under_sync_debug_error(precision: str, loader_options: dict[str, Any] | None = None) -> float:
+    step, _, _ = prepared_loop(precision, loader_options)
     step()  # the first step creates the optimizer's state, cuBLAS handles, ...
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call now raises, with its traceback
@@ -227,10 +287,18 @@ def test_ten_steps_with_a_prepared_loader_make_no_host_device_sync(precision: st
     assert math.isfinite(loss)
 
 
+@pytest.mark.parametrize("loader", ["plain, 2 workers", "pinned"])
+def test_ten_steps_with_workers_or_a_pinned_loader_make_no_host_device_sync(loader: str) -> None:
+    (loss,) = run_distributed(
+        steps_under_sync_debug_error, ("bf16", LOADERS[loader]), num_processes=1, device="cuda", task_timeout=TIMEOUT
+    )
+    assert math.isfinite(loss)
+
+
 # --- checked collectives make no host-device sync of their own -----------------------------------
 
 
-def _syncs(fn: Any) -> int:
+def count_syncs(fn: Any) -> int:
     """How many synchronising CUDA calls ``fn`` makes (torch warns once per call in "warn" mode)."""
     import warnings
 
@@ -267,7 +335,7 @@ def collective_syncs() -> dict[str, list[int]]:
         for _ in range(3):  # the first call at a point of the program is checked before its data moves
             ours()
             raw()
-        counts[name] = [_syncs(ours), _syncs(raw)]
+        counts[name] = [count_syncs(ours), count_syncs(raw)]
     ak.wait_for_everyone()  # reads the last verdict
     return counts
 
@@ -308,20 +376,25 @@ def gathered_metrics() -> list[int]:
     return values
 
 
-def ddp_against_one_process() -> list[float]:
-    """Largest difference between 2-rank DDP on CUDA and one process on the whole batch."""
+def ddp_against_one_process(precision: str = "no") -> list[float]:
+    """Largest difference between 2-rank DDP (or FSDP2) on CUDA and one process on the whole batch;
+    ``precision="bf16"``: both under autocast."""
     model, reference = mlp(), mlp().to(ak.device())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # an update in proportion to the gradient
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     model, opt = ak.prepare(model, opt)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         x, y = torch.randn(16, 16, generator=g).to(ak.device()), torch.randn(16, 1, generator=g).to(ak.device())
         mine = slice(8 * ak.rank(), 8 * ak.rank() + 8)
-        ak.backward(F.mse_loss(model(x[mine]), y[mine]))
+        with ak.precision(precision):  # type: ignore[arg-type]
+            loss = F.mse_loss(model(x[mine]).float(), y[mine])
+        ak.backward(loss)
         opt.step()
         opt.zero_grad()
-        F.mse_loss(reference(x), y).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            ref_loss = F.mse_loss(reference(x).float(), y)
+        ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
     pairs = [own_part(p, ref) for p, ref in zip(ak.unwrap(model).parameters(), reference.parameters(), strict=True)]

@@ -10,6 +10,8 @@ the position a checkpoint records must be those of the loader without it. Withou
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 import accelkit as ak
 from accelkit._backends.cpu import CPUBackend
+from accelkit._backends.cuda import CUDABackend, CUDATransfer
 from accelkit._tree import apply_to_tensors
 from accelkit.testing import WorkerPool
 
@@ -37,6 +40,9 @@ class Copying:
     def finish(self, handle: Any) -> Any:
         self.log.append(("finish", first_value(handle)))
         return handle
+
+    def pin_in_loader(self, num_workers: int) -> bool:
+        return False
 
 
 def first_value(batch: Any) -> Any:
@@ -178,3 +184,112 @@ def test_gather_for_metrics_drops_the_padding_of_batches_read_ahead(pool: Worker
     assert moved == plain
     values, last = moved[0]
     assert sorted(values) == list(range(11)) and last == [False, True]
+
+
+# --- pinning: beside the step, never on the iterating thread, never twice -----------------------------
+# The CUDA backend's transfer as a real object: deciding how a loader pins, and handing a batch to its
+# thread, needs no device (its copies do: tests/test_gpu.py runs them).
+
+
+@contextmanager
+def copies_to_cuda() -> Iterator[CUDATransfer]:
+    """Prepared loaders made inside get the CUDA backend's transfer to cuda:0 (made, not iterated, here)."""
+    transfer = CUDABackend(shared=True).batch_transfer(torch.device("cuda", 0))
+    original = CPUBackend.batch_transfer
+    CPUBackend.batch_transfer = lambda self, device: transfer  # type: ignore[assignment,method-assign]
+    try:
+        yield transfer
+    finally:
+        CPUBackend.batch_transfer = original  # type: ignore[method-assign]
+
+
+def prepared_pin_memory(moved_by: str, **options: Any) -> tuple[bool, str]:
+    """The prepared loader's pin_memory and pin_memory_device, for a DataLoader(range(8), **options)."""
+    ak.reset_state()
+    if moved_by == "cuda":
+        with copies_to_cuda():
+            loader = ak.prepare(DataLoader(range(8), batch_size=2, **options))
+    elif moved_by == "plain copies":
+        with moving_batches():
+            loader = ak.prepare(DataLoader(range(8), batch_size=2, **options))
+    else:
+        loader = ak.prepare(DataLoader(range(8), batch_size=2, **options))
+    return loader.pin_memory, loader.pin_memory_device
+
+
+def test_a_loader_with_workers_pins_in_its_pin_memory_thread_where_the_copies_want_pinned_batches() -> None:
+    assert prepared_pin_memory("cuda", num_workers=2) == (True, "")
+    assert prepared_pin_memory("cuda", num_workers=2, persistent_workers=True) == (True, "")
+    # Without workers DataLoader would pin in next(), on the thread that iterates: the transfer pins instead.
+    assert prepared_pin_memory("cuda") == (False, "")
+    # No device copies (the CPU) or plain ones: nothing to pin for.
+    assert prepared_pin_memory("none", num_workers=2) == (False, "")
+    assert prepared_pin_memory("plain copies", num_workers=2) == (False, "")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_users_pin_memory_is_kept_as_it_is(num_workers: int) -> None:
+    for moved_by in ("cuda", "none"):
+        assert prepared_pin_memory(moved_by, num_workers=num_workers, pin_memory=True) == (True, "")
+
+
+class Pinned(Exception):
+    """Raised where a tensor would be pinned: this machine has no accelerator to pin for."""
+
+
+@contextmanager
+def pins_recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the threads that pin a tensor; each pin raises :class:`Pinned`. A thread that selects
+    a CUDA device first (as the transfer's thread selects its own) is recorded as ``"<name> on <device>"``."""
+    threads: list[str] = []
+
+    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        raise Pinned
+
+    def set_device(device: torch.device) -> None:
+        threads.append(f"{threading.current_thread().name} on {device}")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        patch.setattr(torch.cuda, "set_device", set_device)
+        yield threads
+
+
+def pin_threads_ended() -> None:
+    """Every transfer is gone: its thread ends with it (the hygiene fixture fails on a thread left running)."""
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread.name.startswith("accelkit-pin"):
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+
+
+def test_a_batch_to_pin_is_pinned_on_the_transfers_thread_and_its_error_comes_with_the_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transfer = CUDABackend(shared=True).batch_transfer(torch.device("cuda", 0))
+    with pins_recorded(monkeypatch) as threads:
+        handle = transfer.start({"x": torch.ones(3), "label": "a string rides along"})  # returns at once
+        with pytest.raises(Pinned):
+            transfer.finish(handle)
+    assert threads == ["accelkit-pin_0 on cuda:0", "accelkit-pin_0"]  # its device selected first, then pinned
+    del transfer, handle
+    pin_threads_ended()
+
+
+@pytest.mark.parametrize("kind", ["tensors", "dicts", "stream"])
+def test_nothing_pins_on_the_thread_that_iterates_a_prepared_loader(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    make = {
+        "tensors": lambda: DataLoader(torch.utils.data.TensorDataset(torch.arange(8.0)), batch_size=2),
+        "dicts": loaders()["dicts"],
+        "stream": loaders()["stream"],
+    }[kind]
+    with copies_to_cuda():
+        loader = ak.prepare(make())
+    with pins_recorded(monkeypatch) as threads, pytest.raises(Pinned):
+        next(iter(loader))
+    assert threads and threading.current_thread().name not in threads, threads
+    assert threads == ["accelkit-pin_0 on cuda:0", "accelkit-pin_0"]
+    del loader
+    pin_threads_ended()

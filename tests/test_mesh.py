@@ -8,7 +8,6 @@ the global batch.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pytest
@@ -115,9 +114,6 @@ def reduce_and_gather_on_dp_group() -> tuple[list[float], float]:
     return ak.gather(x, group=group).tolist(), float(ak.reduce(x, op="sum", group=group))  # type: ignore[call-arg]
 
 
-@pytest.mark.skipif(
-    "group" not in inspect.signature(ak.gather).parameters, reason="the collectives take group= (issue 48) after merge"
-)
 def test_collectives_over_the_data_parallel_group(pool4: WorkerPool) -> None:
     results = pool4.run(reduce_and_gather_on_dp_group)
     assert results[0] == ([0.0, 2.0], 2.0) and results[1] == ([1.0, 3.0], 4.0)

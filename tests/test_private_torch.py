@@ -30,8 +30,8 @@ NOT_TORCH = {
     "_self_instance",  # wrapt's bound function wrapper
     "_inheriting",  # multiprocessing's mark of a process importing the main module (spawn's, Python 3.10 to 3.13)
 }  # fmt: skip
-# torch attributes without an underscore that torch does not document (DDP's internals).
-WATCHED = {"require_backward_grad_sync", "reducer"}
+# torch attributes without an underscore that torch does not document (DDP's internals, DCP's storage info).
+WATCHED = {"require_backward_grad_sync", "reducer", "relative_path", "transform_descriptors"}
 
 
 def _sources() -> dict[Path, ast.Module]:
@@ -119,8 +119,14 @@ def test_each_private_name_exists_on_this_torch() -> None:
     assert getattr(fused, "_step_supports_amp_scaling", None) is True
     assert callable(distributed_c10d._get_default_store) and callable(powerSGD_hook._orthogonalize)
     assert hasattr(filesystem, "_StorageInfo")
+    # DCP's reader and writer do their file work through .fs under .path; an item's place is in _StorageInfo.
+    for io_class in (filesystem.FileSystemWriter, filesystem.FileSystemReader):
+        made = io_class("unused")
+        assert isinstance(made.fs, filesystem.FileSystemBase) and hasattr(made, "path")
+    metadata = type("Metadata", (), {"storage_data": {"item": filesystem._StorageInfo("__0_0.distcp", 7, 11)}})
+    assert _torch_private.storage_item(metadata, "item") == ("__0_0.distcp", 7, 11, ())
     # A pickled layout still names the lookup the metadata unpickler answers from torch's public layouts.
-    from accelkit._checkpoint._sharded import _MetadataUnpickler
+    from accelkit._checkpoint._sharded_load import _MetadataUnpickler
 
     for layout in (torch.strided, torch.sparse_coo):
         assert _MetadataUnpickler(io.BytesIO(pickle.dumps(layout))).load() is layout

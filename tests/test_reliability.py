@@ -476,8 +476,9 @@ OLDER_ACCELKIT = "import accelkit._version as v; v.__version__ = '0.0.1'; " + PR
     [
         (PROBE_STATE, {"ACCELKIT_PRECISION": "bf16"}, "  - rank 1 has precision 'bf16', rank 0 has 'no'"),
         (OLDER_ACCELKIT, {}, "  - rank 1 has accelkit '0.0.1', rank 0 has "),
+        (PROBE_STATE, {"ACCELKIT_TP": "2"}, "  - rank 1 has mesh 'dp_replicate=1 dp_shard=-1 tp=2 cp=1', rank 0 has"),
     ],
-    ids=["precision", "accelkit version"],
+    ids=["precision", "accelkit version", "mesh"],
 )
 def test_ranks_that_differ_refuse_to_start(
     code: str, env: dict[str, str], expected: str, session: list[subprocess.Popen[str]]
@@ -594,12 +595,12 @@ def test_a_restarted_job_resumes() -> None:
 def test_a_kill_during_a_save_leaves_the_old_checkpoint(tmp_path: Path) -> None:
     from test_checkpoint import in_child, kill_at, save_pair, saved_fill
 
-    from accelkit import _safe_io
+    from accelkit._checkpoint import _storage
 
     save_pair(tmp_path / "ckpt", 1.0)
 
     def crash() -> None:
-        _safe_io.crash_hook = kill_at("mid-file:model.pt")
+        _storage.crash_hook = kill_at("mid-file:model.pt")
         save_pair(tmp_path / "ckpt", 2.0)
 
     started = time.monotonic()
@@ -628,7 +629,7 @@ def test_a_damaged_or_forged_checkpoint_is_refused_by_name(tmp_path: Path) -> No
 def test_rotation_and_a_full_disk_keep_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from test_checkpoint import save_pair, saved_fill, small_model
 
-    from accelkit import _safe_io
+    from accelkit._checkpoint import _storage
 
     for step in (1, 2):
         ak.save_state(tmp_path / f"step-{step}", model=small_model(step), keep_last=1)
@@ -637,7 +638,7 @@ def test_rotation_and_a_full_disk_keep_a_checkpoint(tmp_path: Path, monkeypatch:
     def full(*args: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_safe_io, "_write", full)
+    monkeypatch.setattr(_storage, "_write", full)
     with pytest.raises(ak.CheckpointError, match="no space left on device writing"):
         save_pair(tmp_path / "step-3", 3.0)
     monkeypatch.undo()

@@ -143,13 +143,13 @@ def test_one_reset_keeps_the_records_and_says_what_survives() -> None:
 
     training, group, this = _state.training, _state.group, _state.this_process
     ak.init(precision="bf16")
-    training.micro_step, group.seq = 3, 7
+    training.micro_step, group.channels = 3, object()
     this.warned.add("a warning given once per process")
     generation = this.generation
     ak.set_breakpoint()
     ak.reset_state()
     assert _state.training is training is this.training and _state.group is group is this.group
-    assert training.micro_step == 0 and group.seq == 0 and this.state is None
+    assert training.micro_step == 0 and group.channels is None and this.state is None
     assert "a warning given once per process" in this.warned and this.generation == generation
     assert not ak.check_breakpoint()
 

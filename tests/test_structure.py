@@ -267,6 +267,20 @@ def test_the_bool_or_int_check_is_written_once() -> None:
     assert found == INT_CHECK_WAIVERS
 
 
+def test_the_collectives_ask_their_wire_not_the_hardware() -> None:
+    # How a checked collective travels is decided once, from the Backend (its Wire): no code under _collectives
+    # tests the kind of device or of torch.distributed backend itself.
+    pattern = re.compile(r"device[.]type|[.]is_cuda|torch[.]cuda|backend [!=]=|dist_backend")
+    found = [
+        f"{name}:{number}: {line.strip()}"
+        for name, module in MODULES.items()
+        if name.startswith("accelkit._collectives")
+        for number, line in enumerate(module.path.read_text().splitlines(), start=1)
+        if pattern.search(line)
+    ]
+    assert found == []
+
+
 def test_the_root_stays_short_and_modules_small() -> None:
     root = sorted(p.name for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(root) <= 16, root

@@ -105,3 +105,36 @@ def test_the_explanation_needs_a_death_in_the_backend_and_ranks_out_of_step() ->
     said = explain(aborted, {}, {0: waiting, 1: computing})
     assert said.startswith("ak.gather at t.py:30 in evaluate was reached by rank 0 alone"), said
     assert "rank 1 was in t.py:28 in evaluate" in said
+
+
+def test_a_deadlock_is_declared_only_on_proof() -> None:
+    """The verdict needs every other rank where it cannot go on: another collective, a pass that needs every
+    rank (``blocked``), or gone. A rank in its forward (busy, or idle on I/O) or in its own code is waited for."""
+    from accelkit._group._board import find_deadlock
+
+    now = time.time()
+    waiting = Position(0, "reduce", 7, True, now - 20, "t.py:42 in main", now - 20, "f00d", "accelkit.reduce()")
+
+    def other(**fields: object) -> Position:
+        base = {"rank": 1, "op": "reduce", "seq": 6, "inside": False, "since": now - 20, "where": "t.py:38 in main",
+                "published": now - 20}  # fmt: skip
+        return Position(**{**base, **fields})  # type: ignore[arg-type]
+
+    def verdict(peer: Position) -> str:
+        return find_deadlock(0, 7, "f00d", {0: waiting, 1: peer}, 2, 8.0)
+
+    for proof in (
+        other(doing="a backward pass that all-reduces gradients", blocked=True),
+        other(op="gather", seq=7, inside=True, signature="beef"),  # another collective as #7
+        other(gone="it raised ValueError: bad batch"),
+    ):
+        said = verdict(proof)
+        assert said.startswith("Cannot complete accelkit.reduce #7 (t.py:42 in main): process 0 alone reached it"), said
+    for maybe_working in (
+        other(doing="a forward pass (it may wait for the other processes)"),  # computing, or waiting for I/O
+        other(),  # the script's own code between collectives
+    ):
+        assert verdict(maybe_working) == ""
+    assert find_deadlock(0, 7, "f00d", {0: waiting}, 2, 8.0) == ""  # a rank not heard from: no proof
+    recent = waiting._replace(since=now - 2)
+    assert find_deadlock(0, 7, "f00d", {0: recent, 1: other(gone="its code returned")}, 2, 8.0) == ""  # too soon

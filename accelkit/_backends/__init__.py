@@ -6,7 +6,7 @@ Call sites ask the chosen backend; they never branch on the kind of hardware.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -32,6 +32,22 @@ class BatchTransfer(Protocol):
     def finish(self, handle: Any) -> Any:
         """The moved batch, safe to use on the device's current stream from now on."""
         ...
+
+    def pin_in_loader(self, num_workers: int) -> bool:
+        """Whether a loader with ``num_workers`` worker processes should pin its batches itself.
+
+        True where the copies want pinned host memory and the loader can pin beside the step: with
+        workers, ``DataLoader(pin_memory=True)`` pins each batch in the loader's pin-memory thread. A
+        loader without workers would pin on the thread that iterates it, the training thread: there
+        :meth:`start` pins instead, off that thread. A user's ``pin_memory=True`` is kept either way.
+        """
+        ...
+
+
+# How a checked collective's message travels (accelkit._collectives' Wire): in host memory, its verdict read at
+# once; on the device, compared there and its verdict read later (read_later); or over torch's fake process
+# group, which moves nothing (host memory: every rank's message is taken to be this rank's own).
+WireKind = Literal["host", "device", "loopback"]
 
 
 class Backend(Protocol):
@@ -64,6 +80,14 @@ class Backend(Protocol):
         The reader gives the value ``flag`` has at this point of the device's work: calling it
         waits, at most, for the work queued before this call, never for what was queued after.
         """
+        ...
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of a small host tensor on ``device``, issued without making the host wait for the device."""
+        ...
+
+    def wire(self, dist_backend: str) -> WireKind:
+        """How a checked collective's message travels here, over the torch.distributed backend ``dist_backend``."""
         ...
 
 
@@ -105,4 +129,4 @@ def local_device_count(cpu: bool = False) -> int:
     return 1 if cpu else max(1, accelerator_count())
 
 
-__all__ = ["Backend", "BatchTransfer", "accelerator_count", "local_device_count", "select_backend"]
+__all__ = ["Backend", "BatchTransfer", "WireKind", "accelerator_count", "local_device_count", "select_backend"]

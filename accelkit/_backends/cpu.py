@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +35,12 @@ class CPUBackend:
     def read_later(self, flag: torch.Tensor) -> bool:
         return is_set(flag)  # host memory: reading it never waits for a device
 
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device)
+
+    def wire(self, dist_backend: str) -> Literal["host", "loopback"]:
+        return "loopback" if dist_backend == "fake" else "host"
+
 
 class ToDevice:
     """Plain copies of each batch's tensors to ``device``, made when the batch is read (no streams)."""
@@ -47,6 +53,9 @@ class ToDevice:
 
     def finish(self, handle: Any) -> Any:
         return handle
+
+    def pin_in_loader(self, num_workers: int) -> bool:
+        return False  # plain copies: pinned memory would buy nothing
 
 
 def is_set(flag: torch.Tensor) -> bool:

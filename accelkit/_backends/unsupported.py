@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +39,12 @@ class _Unsupported:
 
     def read_later(self, flag: torch.Tensor) -> bool:
         return is_set(flag)
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device)
+
+    def wire(self, dist_backend: str) -> Literal["device"]:
+        return "device"  # never reached: device() refuses first
 
 
 class XPUBackend(_Unsupported):

@@ -82,7 +82,7 @@ class Saving:
                 if staging is not None or agree.exchange is not None:  # a rank that could not stage stops them all
                     with _save.discarding(job, agree) as staged:
                         staged.each(
-                            f"nothing was written; the temporary directory {job.tmp.name} was removed",
+                            f"nothing was written; {job.staging.what} was removed",
                             lambda: _raise(staging),
                         )
                 _save.write(job, agree, group)

@@ -11,19 +11,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _safe_io, _state
+from .. import _state
+from ._where import storage_for
 
 __all__ = ["save_model"]
 
 
-def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_serialization: bool | None = None) -> Path:
+def save_model(
+    model: nn.Module, directory: str | os.PathLike[str], *, safe_serialization: bool | None = None
+) -> Path | str:
     """Write the unwrapped ``model``'s weights to ``directory`` (on the main process only).
 
     ``model.safetensors`` (as Accelerate writes by default) when safetensors is installed
     (``pip install "accelkit[safetensors]"``); without it, ``pytorch_model.bin`` (``torch.save``
     of the state dict, which ``torch.load(weights_only=True)`` reads) and a warning saying so.
     ``safe_serialization=True`` insists on safetensors, ``False`` always writes the ``.bin``.
-    Either loads into the unwrapped, unsharded model. Returns the file's path, on every
+    Either loads into the unwrapped, unsharded model. ``directory`` may be a URL of an object
+    store (``s3://bucket/export``; the ``fsspec`` extra): the file is uploaded whole. Returns the
+    file's path (or URL), on every
     rank (no collective: other ranks should ``ak.wait_for_everyone()`` before reading it),
     except for a sharded model (``fully_shard``): every rank must call it then, to gather
     the full weights.
@@ -40,24 +45,24 @@ def save_model(model: nn.Module, directory: str | os.PathLike[str], *, safe_seri
         >>> torch.load(path, weights_only=True).keys()  # doctest: +SKIP
         odict_keys(['weight', 'bias'])
     """
+    folder = storage_for(f"accelkit.save_model(model, {os.fspath(directory)!r})", directory)  # before any work
+    folder.check_access()  # a missing bucket or missing credentials: before the weights are gathered
     from .._training import unwrap
     from . import _full  # with the first call (see _save_load)
 
     safetensors_torch = _safetensors(safe_serialization)
-    target = Path(directory) / ("model.safetensors" if safetensors_torch else "pytorch_model.bin")
+    name = "model.safetensors" if safetensors_torch else "pytorch_model.bin"
     module = unwrap(model)
     full = _full.full_state_dict(module) if _state.strategy().shards_state(module) else None  # a collective
     if not _state.get().is_main_process:
-        return target
+        return folder.child(name).location()
     if safetensors_torch is None:
         state = full if full is not None else {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        _safe_io.write_atomic(target, lambda f: torch.save(state, f))
-    elif full is None:
-        _safe_io.write_atomic(target, lambda f: safetensors_torch.save_model(module, f.name))  # shared weights once
-    else:  # gathered: tied weights are one tensor under several names, which safetensors refuses
-        tensors, metadata = _once(full)
-        _safe_io.write_atomic(target, safetensors_torch.save(tensors, metadata=metadata))
-    return target
+        return folder.write_whole(name, lambda f: torch.save(state, f))
+    if full is None:
+        return folder.write_whole(name, lambda f: safetensors_torch.save_model(module, f.name))  # shared weights once
+    tensors, metadata = _once(full)  # gathered: tied weights are one tensor under several names (safetensors refuses)
+    return folder.write_whole(name, safetensors_torch.save(tensors, metadata=metadata))
 
 
 def _once(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str] | None]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import _state
 from ..errors import CheckpointError
+from ._where import storage_for
 
 __all__ = ["CheckpointInfo", "read_checkpoint"]
 
@@ -23,7 +24,7 @@ class CheckpointInfo(Mapping[str, Any]):
     them on the CPU), as ``load_state`` returns them.
 
     Attributes:
-        path: the checkpoint's directory.
+        path: the checkpoint's directory (its URL for one on an object store).
         step: the ``step`` value when it was an integer, else None.
         world_size: the number of processes that saved it.
         objects: the names of the objects with state (``model``, ``optimizer``, ...).
@@ -35,7 +36,7 @@ class CheckpointInfo(Mapping[str, Any]):
     """
 
     __slots__ = _FIELDS
-    path: Path
+    path: Path | str
     step: int | None
     world_size: int
     objects: list[str]
@@ -46,7 +47,7 @@ class CheckpointInfo(Mapping[str, Any]):
     _values: dict[str, Any]
 
     # A plain read-only class, not a frozen dataclass: building one of those cost ~1 ms of every import.
-    def __init__(self, path: Path, step: int | None, world_size: int, objects: list[str], sharded: list[str],
+    def __init__(self, path: Path | str, step: int | None, world_size: int, objects: list[str], sharded: list[str],
                  full: list[str], created_ns: int, versions: dict[str, str], values: dict[str, Any],
                  ) -> None:  # fmt: skip
         given = (path, step, world_size, objects, sharded, full, created_ns, versions, values)
@@ -106,26 +107,27 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
         >>> model = GPT(**info["model_args"]); info.step  # doctest: +SKIP
         10
     """
+    storage = storage_for(f"accelkit.read_checkpoint({os.fspath(directory)!r})", directory)  # before any work
     saving = _state.training.saving
     if saving is not None and saving.thread is not None:
         saving.thread.join()  # its outcome is left for the next save_state, wait_for_checkpoint or end_training
-    from . import _load, _manifest  # with the first call (see _save_load)
-    from ._save import VALUES
-    from ._snapshot import Snapshot
+    from . import _integrity, _layout, _load, _manifest  # with the first call (see _save_load)
 
-    path = Path(directory)
-    with Snapshot.take(path) as snapshot:
+    snapshot = storage.snapshot()
+    try:
         body = snapshot.body
         if body["tensor_values"]:
-            problem = "is missing from the manifest" if VALUES not in body["files"] else snapshot.problem(VALUES)
+            problem = _integrity.verify(snapshot, [_layout.VALUES])
             if problem:
-                damaged = f"{path / VALUES} {problem}; the checkpoint is damaged"
-                raise CheckpointError(f"{damaged}: {_manifest.instead(path)}")
+                damaged = f"{snapshot.where}/{problem[0]} {problem[1]}; the checkpoint is damaged"
+                raise CheckpointError(f"{damaged}: {_manifest.instead(storage)}")
         values = {**body["values"], **_load.tensor_values(snapshot)}
+    finally:
+        snapshot.close()
     step = body.get("step")
     created = body.get("created_ns")
     return CheckpointInfo(
-        path=path,
+        path=storage.location(),
         step=step if isinstance(step, int) else None,
         world_size=int(body.get("world_size") or 0),
         objects=list(body.get("objects") or []),

@@ -1,39 +1,40 @@
-"""The manifest that makes a checkpoint directory a committed checkpoint.
+"""The manifest that makes a checkpoint a committed checkpoint.
 
-``manifest.json`` is written last, into the temporary directory, just before it is
-renamed into place: a directory with a valid manifest is whole. The manifest lists every
-file with its size and the XXH3-128 of each of its pieces (:mod:`accelkit._checksum`), and
-carries the XXH3-128 of its own body; its bytes must be exactly those it was written with, so
-that a damaged manifest (a byte changed, bytes appended) is told apart from a different checkpoint.
+``manifest.json`` is written last: locally into the temporary directory, just before it is renamed
+into place; on an object store beside the save's folder of files, which it names (``folder``). A
+checkpoint with a valid manifest is whole. The manifest lists every file with its size and the
+XXH3-128 of each of its pieces (``_integrity``), and carries the XXH3-128 of its own body; its bytes
+must be exactly those it was written with, so that a damaged manifest (a byte changed, bytes
+appended) is told apart from a different checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
+import re
 import time
-from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
 from .._options import is_int
-from .._safe_io import CheckpointError, FileRecord
 from .._version import __version__
+from ..errors import CheckpointError
+from . import _integrity, _layout
 
-__all__ = ["MANIFEST", "build", "committed", "read", "version_change"]
+if TYPE_CHECKING:
+    from ._storage import Storage
 
-MANIFEST = "manifest.json"
+__all__ = ["build", "committed", "damage", "instead", "not_a_checkpoint", "parse", "read_capped", "version_change"]
+
 FORMAT = "accelkit-checkpoint"
 VERSION = 3  # 3: XXH3-128 of each piece; 2 (sum64) and 1 (CRC-32) were never released and are refused
 _MAX_BYTES = 64 << 20  # a manifest is small; refuse to parse a huge file as one
 
 
 def _body_checksum(body: dict[str, Any]) -> str:
-    from .._checksum import digest
-
-    return f"xxh3_128:{digest(json.dumps(body, sort_keys=True, separators=(',', ':')).encode())}"
+    return f"xxh3_128:{_integrity.digest(json.dumps(body, sort_keys=True, separators=(',', ':')).encode())}"
 
 
 def _render(body: dict[str, Any]) -> bytes:
@@ -42,7 +43,7 @@ def _render(body: dict[str, Any]) -> bytes:
 
 
 def build(
-    files: dict[str, FileRecord],
+    files: dict[str, _integrity.FileRecord],
     objects: list[str],
     values: dict[str, Any],
     world_size: int,
@@ -51,12 +52,14 @@ def build(
     *,
     full: list[str] | None = None,
     tensor_values: list[str] | None = None,
+    folder: str | None = None,
 ) -> bytes:
     """The manifest's bytes for a checkpoint of ``files``; ``sharded`` objects are DCP folders (``NAME.dcp/``).
 
     ``facts`` are the job's versions and options, as the ranks compared them when their group formed;
     ``full`` objects hold a full state in DCP's format (optimizers keyed by parameter names);
-    ``tensor_values`` are the values kept in ``tensor-values.pt`` instead of ``values``.
+    ``tensor_values`` are the values kept in ``tensor-values.pt`` instead of ``values``; ``folder``
+    is the save's folder of files on an object store (None: the files are beside the manifest).
     """
     step = values.get("step")
     body = {
@@ -76,32 +79,27 @@ def build(
         "tensor_values": tensor_values or [],
         "files": files,
     }
+    if folder is not None:
+        body["folder"] = folder
     return _render(body)
 
 
-def read(directory: Path, dir_fd: int | None = None) -> dict[str, Any]:
-    """The manifest body of the checkpoint in ``directory``; CheckpointError if it is not one.
+def read_capped(f: IO[bytes], size: int, where: str) -> bytes:
+    """The bytes of the manifest file ``f`` of ``size`` bytes; CheckpointError if it is too large to be one."""
+    if size > _MAX_BYTES:
+        raise CheckpointError(f"{where} is {size} bytes, too large to be a manifest")
+    return f.read()
 
-    ``dir_fd``: the directory, open (the manifest is read from that directory even if it was renamed).
-    """
-    path = directory / MANIFEST
+
+def not_a_checkpoint(where: str, hint: str) -> str:
+    """The message for ``where``, which is no committed checkpoint (``hint``: what is there instead)."""
+    return f"{where} {hint}; pass a directory written by ak.save_state, e.g. ak.latest_checkpoint(root)"
+
+
+def parse(data: bytes, path: str) -> dict[str, Any]:
+    """The body of the manifest ``data`` read from ``path``; CheckpointError if it is not a valid one."""
     try:
-        with open(os.open(MANIFEST if dir_fd is not None else path, os.O_RDONLY, dir_fd=dir_fd), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > _MAX_BYTES:
-                raise CheckpointError(f"{path} is {size} bytes, too large to be a manifest")
-            data = f.read()
         raw = json.loads(data)
-    except (FileNotFoundError, NotADirectoryError):
-        if not directory.exists():
-            hint = "does not exist (never saved, or removed: keep_last prunes the oldest checkpoints beside a save)"
-        elif not directory.is_dir():
-            hint = "is not a directory"
-        else:
-            hint = "has no manifest.json (not a committed checkpoint)"
-        raise CheckpointError(
-            f"{directory} {hint}; pass a directory written by ak.save_state, e.g. ak.latest_checkpoint(root)"
-        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); the manifest is damaged") from None
     body = raw.get("body") if isinstance(raw, dict) else None
@@ -130,6 +128,9 @@ def read(directory: Path, dir_fd: int | None = None) -> dict[str, Any]:
         raise CheckpointError(f"{path}: 'tensor_values' is {names!r}, expected a list of names")
     if not isinstance(body.get("values"), dict):
         raise CheckpointError(f"{path}: 'values' is {body.get('values')!r:.60}, expected a mapping")
+    folder = body.get("folder")
+    if folder is not None and not (isinstance(folder, str) and re.fullmatch(rf"{re.escape(_layout.DATA)}\w+", folder)):
+        raise CheckpointError(f"{path}: 'folder' is {folder!r:.80}, expected a name {_layout.DATA}TOKEN")
     return body
 
 
@@ -145,15 +146,15 @@ def version_change(body: dict[str, Any]) -> str:
     return f"it was saved with {then}; this process runs {now}"
 
 
-def _check_files(path: Path, files: Any) -> None:
-    from .._checksum import KEY
-
+def _check_files(path: str, files: Any) -> None:
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: 'files' is {type(files).__name__}, expected a mapping")
     for name, rec in files.items():
         if not _is_plain(name):
             raise CheckpointError(f"{path}: file name {name!r} is not a plain file name (or FOLDER/NAME)")
-        size, piece, digests = (rec.get(k) for k in ("size", "piece", KEY)) if isinstance(rec, dict) else (None,) * 3
+        size, piece, digests = (
+            (rec.get(k) for k in ("size", "piece", _integrity.KEY)) if isinstance(rec, dict) else (None,) * 3
+        )
         if not (
             is_int(size)
             and is_int(piece)
@@ -176,68 +177,49 @@ def _is_plain(name: Any) -> bool:
     return len(parts) <= 2 and all(part not in ("", ".", "..") for part in parts)
 
 
-def committed(root: Path, *, whole: bool = False) -> list[tuple[int, Path]]:
-    """The committed checkpoints directly under ``root``: (commit time in ns, directory), oldest first.
+def committed(root: Storage, *, whole: bool = False) -> list[tuple[int, Storage]]:
+    """The committed checkpoints directly under ``root``: (commit time in ns, checkpoint), oldest first.
 
     ``whole``: only those whose files are all there at the sizes the manifest says (a cheap check,
     no file is read; the checksums are checked when one is loaded).
     """
     found = []
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for entry in entries:
-        if entry.name.startswith(".") or not entry.is_dir():
-            continue
+    for child in root.children():
         try:
-            body = read(Path(entry.path))
+            body = child.manifest()
         except CheckpointError:
             continue
-        if whole and missing_or_cut(Path(entry.path), body):
+        if whole and child.missing_or_cut(body):
             continue
         created = body.get("created_ns")
-        found.append((created if isinstance(created, int) else 0, Path(entry.path)))
-    return sorted(found)
+        found.append((created if isinstance(created, int) else 0, child))
+    return sorted(found, key=lambda entry: (entry[0], entry[1].name))
 
 
-def missing_or_cut(directory: Path, body: dict[str, Any]) -> str:
-    """The first file of the checkpoint that is missing or not the size its manifest says; "" when none."""
-    for name, record in body["files"].items():
-        try:
-            size = (directory / name).stat().st_size
-        except OSError:
-            return f"{directory / name} is missing"
-        if size != record["size"]:
-            return f"{directory / name} is {size} bytes, not {record['size']}"
-    return ""
-
-
-def instead(damaged: Path, tries: int = 3) -> str:
+def instead(damaged: Storage) -> str:
     """Whether another checkpoint beside ``damaged`` verifies (every byte read): the newest that does, to load instead.
 
-    Up to ``tries`` of the newest whole ones are verified, newest first.
+    Up to ``damaged.verify_tries`` of the newest whole ones are verified, newest first.
     """
-    others = [path for _, path in committed(damaged.parent, whole=True) if path.resolve() != damaged.resolve()]
+    where, tries = damaged.parent(), damaged.verify_tries
+    others = [other for _, other in committed(where, whole=True) if not other.same(damaged)]
     for other in reversed(others[-tries:]):
         if not damage(other):
             return f"{other} verifies: load it instead, ak.load_state({str(other)!r}, ...)"
     if not others:
-        return f"no other checkpoint in {damaged.parent} verifies (no other is whole)"
+        return f"no other checkpoint in {where} verifies (no other is whole)"
     checked = min(tries, len(others))
-    return f"no other checkpoint in {damaged.parent} verifies ({len(others)} there; the newest {checked} checked)"
+    return f"no other checkpoint in {where} verifies ({len(others)} there; the newest {checked} checked)"
 
 
-def damage(directory: Path) -> str:
-    """The first damaged file of the checkpoint in ``directory`` and what is wrong with it; "" when it verifies."""
-    from .._safe_io import check_file
-
+def damage(checkpoint: Storage) -> str:
+    """The first damaged file of ``checkpoint`` and what is wrong with it; "" when it verifies."""
     try:
-        body = read(directory)
+        snapshot = checkpoint.snapshot()
     except CheckpointError as exc:
         return str(exc)
-    for name, record in body["files"].items():
-        problem = check_file(directory / name, record)
-        if problem:
-            return f"{directory / name} {problem}"
-    return ""
+    try:
+        problem = _integrity.verify(snapshot, list(snapshot.body["files"]))
+    finally:
+        snapshot.close()
+    return f"{snapshot.where}/{problem[0]} {problem[1]}" if problem else ""

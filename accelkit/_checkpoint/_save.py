@@ -1,37 +1,34 @@
 """One ``ak.save_state``, step by step: begin on the calling thread, then write, agree, commit, prune.
 
-:func:`begin` agrees on the directory and creates the temporary one beside it (one exchange on the
-training thread). :func:`write` does the rest, on the calling thread for a blocking save, on a
-background thread (``_async``) for ``blocking=False``: each rank writes and fsyncs its files, the
-ranks agree that all succeeded, the main process writes the manifest and renames the temporary
-directory into place (``_commit``), the ranks agree again, and only then is anything pruned.
+:func:`begin` agrees on the place and opens the save's files there (the main process; one exchange on
+the training thread). :func:`write` does the rest, on the calling thread for a blocking save, on a
+background thread (``_async``) for ``blocking=False``: each rank writes its files (fsynced locally,
+uploaded on an object store), the ranks agree that all succeeded, the main process writes the manifest,
+the commit (``_storage``), the ranks agree again, and only then is anything pruned.
 """
 
 import contextlib
 import json
-import os
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .. import _group, _safe_io, _state
-from . import _commit, _files, _manifest, _rank_state, _sharded
+from .. import _group, _state
+from . import _files, _integrity, _layout, _manifest, _rank_state, _sharded
 from ._agree import Agreement
 from ._objects import Contents
+from ._storage import Staging, Storage, crash_point
 
-__all__ = ["VALUES", "Job", "begin", "discarding", "write"]
-
-VALUES = "tensor-values.pt"  # object files are NAME.pt with NAME an identifier: no clash
+__all__ = ["Job", "begin", "discarding", "write"]
 
 
 class Job(NamedTuple):
     """Everything a save needs once ``save_state`` has returned (the contents may be staged copies)."""
 
     call: str
-    target: Path
-    tmp: Path
+    storage: Storage  # the checkpoint's place
+    staging: Staging  # its files until the commit
     rank: int
     world_size: int
     contents: Contents
@@ -43,26 +40,37 @@ class Job(NamedTuple):
     def main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def target(self) -> Path | str:
+        """What ``save_state`` returns: the checkpoint's path, or its URL."""
+        return self.storage.location()
 
-def begin(call: str, directory: str | os.PathLike[str], keep_last: int | None, contents: Contents) -> Job:
-    """Agree on the directory and create the temporary one; every rank must call it."""
+
+def begin(call: str, storage: Storage, keep_last: int | None, contents: Contents) -> Job:
+    """Agree on the place and open the save's files there; every rank must call it."""
     st = _state.get()
-    target = Path(directory).absolute()
     agree, nothing = Agreement.here(call), "nothing was written"
+    opened: list[Staging] = []
 
-    def start() -> tuple[str, str]:  # one exchange: the main process creates tmp, every rank says where it saves
-        token = uuid.uuid4().hex[:12]  # rank 0's names the temporary directory
+    def start() -> tuple[str, str]:  # one exchange: the main process opens the save, every rank says where it saves
+        token = uuid.uuid4().hex[:12]  # rank 0's names the save's files
+        storage.check_access()  # every rank writes files of its own there
         if st.is_main_process:
-            _commit.begin(target, target.with_name(f"{_commit.TMP}{target.name}-{token}"))
-        return token, str(target)
+            opened.append(storage.begin(token))
+        return token, str(storage)
 
-    parts = agree.gather(nothing, start)
+    try:
+        parts = agree.gather(nothing, start)
+    except BaseException:
+        for staging in opened:  # opened empty just now
+            with contextlib.suppress(OSError):
+                staging.discard()
+        raise
     token, main_target = parts[0]
-    tmp = target.with_name(f"{_commit.TMP}{target.name}-{token}")
     elsewhere = [(rank, where) for rank, (_, where) in enumerate(parts) if where != main_target]
     if elsewhere:  # every rank has every rank's path: every rank raises the same error
-        if st.is_main_process:
-            tmp.rmdir()  # created empty just now
+        for staging in opened:
+            staging.discard()  # opened empty just now
         raise agree.failure(
             nothing,
             [
@@ -75,40 +83,36 @@ def begin(call: str, directory: str | os.PathLike[str], keep_last: int | None, c
                 for rank, where in elsewhere
             ],
         )
+    staging = opened[0] if opened else storage.staging(token)
     rank_state = json.dumps(_rank_state.capture()).encode()
     facts = _group.job_facts(st.options, st.world_size)
-    return Job(call, target, tmp, st.rank, st.world_size, contents, rank_state, facts, keep_last)
+    return Job(call, storage, staging, st.rank, st.world_size, contents, rank_state, facts, keep_last)
 
 
-def write(job: Job, agree: Agreement, group: Any = None) -> Path:
+def write(job: Job, agree: Agreement, group: Any = None) -> Path | str:
     """Write, agree, commit and prune; every rank must call it. ``group``: DCP's (None: the default)."""
-    undo = (
-        f"nothing was committed; the previous checkpoints are untouched and the temporary directory {job.tmp.name} "
-        f"was removed"
-    )
-    contents, tmp = job.contents, job.tmp
+    undo = f"nothing was committed; the previous checkpoints are untouched and {job.staging.what} was removed"
+    contents, staging = job.contents, job.staging
 
-    flusher = _safe_io.Flusher()  # fsyncs each file while the next is written; the main process's, with the manifest
-
-    def files_of_this_rank() -> dict[str, _safe_io.FileRecord]:
+    def files_of_this_rank() -> dict[str, _integrity.FileRecord]:
         files = {}
         for name, sd in contents.sharded.items():  # first: dcp.save fails on every rank or on none, in step
-            files.update(_sharded.save(tmp / f"{name}{_sharded.SUFFIX}", sd, job.world_size > 1, group, flusher))
+            files.update(_sharded.save(staging, _layout.sharded_folder(name), sd, job.world_size > 1, group))
         if job.main:
             for name, sd in contents.plain.items():
-                files[f"{name}.pt"] = _files.write_torch(tmp / f"{name}.pt", sd, flusher)
+                files[_layout.object_file(name)] = _files.write_torch(staging, _layout.object_file(name), sd)
             if contents.tensors:
-                files[VALUES] = _files.write_torch(tmp / VALUES, contents.tensors, flusher)
-        rank_file = f"rank-{job.rank}.json"
-        files[rank_file] = _files.write_bytes(tmp / rank_file, job.rank_state, flusher)
+                files[_layout.VALUES] = _files.write_torch(staging, _layout.VALUES, contents.tensors)
+        rank_file = _layout.rank_file(job.rank)
+        files[rank_file] = _files.write_bytes(staging, rank_file, job.rank_state)
         if not job.main:
-            flusher.wait()  # this rank's files are durable before it says so
+            staging.wait()  # this rank's files are durable before it says so
         return files
 
     def commit() -> None:
         if job.main:
             for name in contents.sharded:
-                _sharded.check_listed(tmp / f"{name}{_sharded.SUFFIX}", files)
+                _sharded.check_listed(staging, _layout.sharded_folder(name), files)
             manifest = _manifest.build(
                 files,
                 contents.objects,
@@ -118,28 +122,37 @@ def write(job: Job, agree: Agreement, group: Any = None) -> Path:
                 job.facts,
                 full=contents.full,
                 tensor_values=sorted(contents.tensors),
+                folder=staging.folder,
             )
-            _commit.commit(tmp, job.target, manifest, flusher)  # waits for this rank's files too
+            staging.commit(manifest)  # waits for this rank's files too
 
-    with discarding(job, agree) as writing, flusher:  # on failure, the fsyncs left end before tmp is removed
+    with discarding(job, agree) as writing, staging:  # on failure, the files being finished end before the discard
         parts = writing.gather(undo, files_of_this_rank)
         files = {name: rec for part in parts for name, rec in part.items()}
         writing.each(undo, commit)
     if job.keep_last is not None:
         keep = job.keep_last
         agree.each(
-            f"{job.target} was committed but pruning failed",
-            lambda: _commit.prune(job.target, keep) if job.main else None,
+            f"{job.storage} was committed but pruning failed",
+            lambda: prune(job.storage, keep) if job.main else None,
         )
     return job.target
 
 
+def prune(target: Storage, keep_last: int) -> None:
+    """Remove the oldest committed checkpoints beside ``target`` beyond ``keep_last`` (``target`` among those kept)."""
+    found = [other for _, other in _manifest.committed(target.parent()) if not other.same(target)]
+    for other in found[: max(0, len(found) - (keep_last - 1))]:
+        crash_point(f"prune:{other.name}")
+        other.remove()
+
+
 @contextlib.contextmanager
 def discarding(job: Job, agree: Agreement) -> Iterator[Agreement]:
-    """``agree``, for the steps that write into ``job.tmp``: if one fails, the main process removes ``job.tmp``.
+    """``agree``, for the steps that write the save's files: if one fails, the main process removes them.
 
-    Only once an agreement came back (every rank's step had ended: none writes into it any more); when the
-    exchange itself failed (a rank gone) or this rank stopped before it, ``job.tmp`` is left for the next save.
+    Only once an agreement came back (every rank's step had ended: none writes any more); when the
+    exchange itself failed (a rank gone) or this rank stopped before it, they are left for the next save.
     """
     came_back = agree.exchange is None  # one process: its own step has ended
 
@@ -154,11 +167,9 @@ def discarding(job: Job, agree: Agreement) -> Iterator[Agreement]:
     except BaseException as error:
         if job.main and came_back:
             try:
-                shutil.rmtree(job.tmp)
-            except FileNotFoundError:  # renamed into place before the failure
-                pass
-            except OSError as exc:  # the message said it was removed: say what is left
+                job.staging.discard()
+            except OSError as exc:  # the message said they were removed: say what is left
                 note = getattr(error, "add_note", None)  # Python 3.11+
                 if note is not None:
-                    note(f"{job.tmp} could not be removed ({exc}); the next save removes it")
+                    note(f"{job.staging.where} could not be removed ({exc}); the next save removes it")
         raise

@@ -28,6 +28,7 @@ from torch import nn
 from .. import _group, _state
 from .._options import is_int
 from ..errors import CheckpointError
+from ._where import storage_for
 
 if TYPE_CHECKING:
     from . import _load
@@ -46,7 +47,7 @@ def save_state(
     blocking: bool = True,
     full_state: bool = False,
     **objects: Any,
-) -> Path:
+) -> Path | str:
     """Save ``objects`` and this job's RNG/scaler/dataloader state to ``directory``, atomically.
 
     Every rank must call it, with the same arguments: saving is collective. Objects with
@@ -58,6 +59,12 @@ def save_state(
     and renames it into place. A crash or an error at any moment leaves the previous
     checkpoints as they were. With ``keep_last=K``, the oldest committed checkpoints beside
     it are then pruned to K.
+
+    ``directory`` may be a URL of an object store (``s3://bucket/run/step-10``, ``gs://``, ``az://``,
+    ``memory://``, any fsspec protocol; ``pip install "accelkit[fsspec]"``), with the same promises: each
+    save's files go into a folder of their own and the manifest, written last, is the commit. It returns
+    the checkpoint's path, or its URL. A URL nothing installed serves, a missing bucket or missing
+    credentials are refused before any work.
 
     ``blocking=False`` returns once the state is copied to host memory; a background thread
     writes and commits it with the same guarantees (one save in flight: the next call waits for
@@ -95,6 +102,7 @@ def save_state(
         PosixPath('.../ckpt/step-10')
     """
     call = f"accelkit.save_state({os.fspath(directory)!r})"
+    storage = storage_for(call, directory)  # a URL nothing serves is refused before any work
     if not objects:
         raise TypeError(
             f"{call}: nothing to save; name what to save, e.g. ak.save_state(directory, model=model, "
@@ -120,7 +128,7 @@ def save_state(
     from ._agree import Agreement
 
     contents = _objects.collect(call, objects, full_state)
-    job = _save.begin(call, directory, keep_last, contents)
+    job = _save.begin(call, storage.absolute(), keep_last, contents)
     if not blocking:
         from . import _async  # the background saving: loaded with the first save that asks for it
 
@@ -152,7 +160,9 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None,
     executing code from it (``torch.load(weights_only=True)``, JSON, a restricted unpickler for
     DCP's metadata); only then is anything changed. The files are opened once and only those are
     read: a save or prune into the same directory meanwhile gives the old checkpoint or the new
-    one whole, or an error saying it was replaced or removed. A damaged or missing file raises
+    one whole, or an error saying it was replaced or removed. From an object store (a URL), each
+    rank reads what it loads in pieces, each verified as it arrives and kept in memory until the
+    load ends. A damaged or missing file raises
     :class:`CheckpointError` naming it (and the piece) on every rank, and another checkpoint
     beside it that verifies. Sharded objects load on any number of processes, sharded or
     not (pass an optimizer with its model), and so do modules and full states
@@ -181,6 +191,7 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None,
         {'step': 10}
     """
     call = f"accelkit.load_state({os.fspath(directory)!r})"
+    storage = storage_for(call, directory)  # a URL nothing serves is refused before any work
     if strict not in (None, True, False):
         raise TypeError(f"{call}: strict={strict!r}; expected None (the default), True or False")
     for name, obj in objects.items():
@@ -193,36 +204,39 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None,
     finish_saving(call)
     from . import _load, _objects
     from ._agree import Agreement
-    from ._snapshot import Snapshot
+    from ._integrity import Verifier
+    from ._storage import Snapshot
 
     st = _state.get()
-    path = Path(directory)
     agree = Agreement.here(call)
     nothing = "nothing was changed"
-    opened: list[tuple[Snapshot, _load.Verification | None]] = []  # closed however the load ends
+    opened: list[tuple[Snapshot, Verifier | None]] = []  # closed however the load ends
 
     def read() -> _Read:
-        snapshot, mine = _load.survey(path, objects, st, strict)  # the files open: what is verified is loaded
+        snapshot = _load.survey(storage, objects, st, strict)  # open: what is verified is what is loaded
         opened.append((snapshot, None))
-        check = _load.Verification(snapshot, mine)  # while the files are read
+        check = _load.verifier(snapshot, objects, st)  # on its threads, while the files are read
         opened[-1] = (snapshot, check)
         loaded = check.first(lambda: _load.read(snapshot, objects, st, strict))
         try:  # what the call asks for against what the checkpoint holds: the same on every rank
-            sharded = _load.check_fits(call, path, objects, snapshot.body)
+            sharded = _load.check_fits(call, snapshot.where, objects, snapshot.body)
             owned = {
                 n: o for n, o in objects.items() if n in sharded or (n in snapshot.body["full"] and not _is_module(o))
             }
             owners = _objects.owners(call, owned, objects)
         except (CheckpointError, ValueError, TypeError) as misuse:
             return _Read(snapshot.body, loaded, {}, {}, misuse)
-        appliers = check.first(lambda: _load.readers(snapshot, objects, loaded, owners))  # DCP's plans, checked
+        shards = check.first(lambda: _load.readers(snapshot, objects, loaded, owners))  # DCP's plans, checked
+        for shard in shards.values():  # what each plan reads, where this rank checks it itself
+            for name, offset, length in shard.ranges:
+                check.add(name, snapshot.reading(name, offset, length))
         check.check()  # every file verified before DCP reads into the live tensors (below)
-        return _Read(snapshot.body, loaded, owners, appliers, None)
+        return _Read(snapshot.body, loaded, owners, {name: shard.apply for name, shard in shards.items()}, None)
 
     try:
         # One exchange: each rank's reading, plans and checksums, and which checkpoint it read (a save may have
         # replaced the directory between two ranks' reads); nothing changed yet.
-        return _apply(call, path, objects, agree, agree.each_same(nothing, read, _saved_at))
+        return _apply(call, str(storage), objects, agree, agree.each_same(nothing, read, _saved_at))
     finally:
         for snapshot, check in opened:
             if check is not None:
@@ -235,7 +249,7 @@ def _saved_at(read: _Read) -> str:
     return f"saved at {read.body.get('created_ns')} ns by {read.body.get('world_size')} processes"
 
 
-def _apply(call: str, path: Path, objects: dict[str, Any], agree: Agreement, read: _Read) -> dict[str, Any]:
+def _apply(call: str, where: str, objects: dict[str, Any], agree: Agreement, read: _Read) -> dict[str, Any]:
     """load_state's changes, once every rank read and verified the same checkpoint."""
     from . import _load, _rank_state
 
@@ -258,7 +272,7 @@ def _apply(call: str, path: Path, objects: dict[str, Any], agree: Agreement, rea
         agree.each("the sharded objects may be partly loaded", read_shards)
     for name, obj in objects.items():
         if name not in appliers:
-            _load.apply(call, path, name, obj, loaded, owners)
+            _load.apply(call, where, name, obj, loaded, owners)
     if loaded.mine is not None:
         _rank_state.apply(loaded.mine)
     return loaded.values
@@ -272,13 +286,14 @@ def finish_saving(call: str) -> None:
         _async.finish(call)
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | str | None:
     """The most recently committed checkpoint directly under ``root`` that is whole, or None if there is none.
 
     A checkpoint whose manifest is damaged, or one of whose files is missing or of another size
     than the manifest says (truncated, overwritten), is skipped. The files' checksums are not
     read here (that would read every byte): ``load_state`` checks them, and when one fails it
-    names the newest whole checkpoint to load instead.
+    names the newest whole checkpoint to load instead. ``root`` may be a URL (``s3://bucket/run``):
+    the checkpoint's URL is returned then.
 
     Args:
         root: the folder whose subdirectories are checkpoints (``"checkpoints"`` for
@@ -291,8 +306,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """
     from . import _manifest
 
-    found = _manifest.committed(Path(root), whole=True)
-    return found[-1][1] if found else None
+    place = storage_for(f"accelkit.latest_checkpoint({os.fspath(root)!r})", root)  # a URL: refused, or served
+    found = _manifest.committed(place, whole=True)
+    return found[-1][1].location() if found else None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any]:

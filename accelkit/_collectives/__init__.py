@@ -1,7 +1,8 @@
-"""Collectives over trees of tensors: gather, reduce, broadcast, pad, and Python objects."""
+"""Collectives over trees of tensors: gather, reduce, broadcast, pad, and Python objects, over any process group."""
 
 from ._api import (
     REDUCE_OPS,
+    Group,
     ReduceOp,
     any_rank,
     barrier,
@@ -15,5 +16,5 @@ from ._api import (
 )
 from ._exchange import exchange_objects
 
-__all__ = ["REDUCE_OPS", "ReduceOp", "any_rank", "barrier", "broadcast", "broadcast_object", "exchange_objects",
-           "gather", "gather_object", "pad_across_processes", "reduce", "settle"]  # fmt: skip
+__all__ = ["REDUCE_OPS", "Group", "ReduceOp", "any_rank", "barrier", "broadcast", "broadcast_object",
+           "exchange_objects", "gather", "gather_object", "pad_across_processes", "reduce", "settle"]  # fmt: skip

@@ -2,28 +2,28 @@
 
 - **Bits**, for reductions: the token's 64 bits as elements of the message's dtype, reduced along
   with the data. A sum adds bits (0 or 1): each comes out 0 or the world size exactly when every
-  rank sent the same token. Max, min and product (and booleans, whose sum is a logical or) carry
-  each bit and its complement: a pair comes out as two different values exactly when every rank
-  agrees ((1, 1) or (0, 0) otherwise).
+  rank sent the same token. Max, min and product (booleans are reduced as bytes with max or min)
+  carry each bit and its complement: a pair comes out as two different values exactly when every
+  rank agrees ((1, 1) or (0, 0) otherwise). On the host, each rank compares the bits' bytes with its
+  own token's times the world size (or once, with complements): any disagreement leaves a bit
+  strictly between 0 and the world size (or a pair alike), which no rank's expectation holds, so
+  every rank reads the same verdict.
 - **Headers**, for gathers and broadcasts: the call's 64-byte header after the data; every rank
   (a broadcast: every receiver) compares the headers it received with its own.
 - **The check**, on its own: the bits as int32 in a small all-reduce (exact at any world size).
 
-On the CPU the verdict is read at once. On an accelerator, reading it would make the host wait
-for the device: there the comparison runs on the device and its one-byte result is copied to pinned
-memory without blocking, and read at the rank's next collective, barrier or ``ak.end_training``
-(:class:`Deferred`).
+The host wire reads the verdict from host values at once; the device wire compares on the device
+(the ``_on_device`` forms) and reads the result later (see :mod:`._wire`).
 """
 
 import functools
-from typing import Any, NamedTuple
 
 import torch
 
 from ._signature import AGREE
 
-__all__ = ["EXACT", "Deferred", "bits", "bits_agree", "bits_agree_on_device", "check_tensor", "header_tensor",
-           "headers_agree", "headers_agree_on_device"]  # fmt: skip
+__all__ = ["EXACT", "bits", "bits_agree_on_device", "bits_bytes", "check_tensor", "headers_agree_on_device",
+           "logic"]  # fmt: skip
 
 BITS = 64
 # The largest world size whose count of ones each dtype holds exactly (a bit's sum reaches it).
@@ -32,9 +32,9 @@ EXACT = {torch.float16: 2048, torch.bfloat16: 256, torch.float32: 1 << 24, torch
          torch.int32: (1 << 31) - 1, torch.int64: 1 << 62}  # fmt: skip
 
 
-def logic(dtype: torch.dtype, wire: str) -> bool:
-    """Whether the bits travel with their complements (max, min, product, or booleans)."""
-    return wire != "sum" or dtype == torch.bool
+def logic(wire: str) -> bool:
+    """Whether the bits travel with their complements (a max, min or product: anything but a sum)."""
+    return wire != "sum"
 
 
 def bits(token: int, dtype: torch.dtype, device: torch.device, with_complements: bool) -> list[torch.Tensor]:
@@ -43,78 +43,37 @@ def bits(token: int, dtype: torch.dtype, device: torch.device, with_complements:
     return [rows[b] for b in token.to_bytes(8, "little")]
 
 
+def bits_bytes(token: int, dtype: torch.dtype, with_complements: bool, times: int) -> tuple[bytes, bytes]:
+    """The bytes of :func:`bits`, and of each of them times ``times``: what a host message carries, and what
+    every rank finds after a sum of ``times`` ranks' bits (or, with complements and ``times`` 1, after their max,
+    min or product) exactly when they all sent this token."""
+    key = (dtype, with_complements, times)
+    tables = _ROW_BYTES.get(key) or _row_bytes(key)
+    token_bytes = token.to_bytes(8, "little")
+    return b"".join(map(tables[0].__getitem__, token_bytes)), b"".join(map(tables[1].__getitem__, token_bytes))
+
+
 def check_tensor(token: int, device: torch.device) -> torch.Tensor:
     """The check on its own: the token's bits as int32, for a sum over the ranks."""
     return torch.cat(bits(token, torch.int32, device, False))
 
 
-def bits_agree(values: list[Any], world: int, with_complements: bool) -> bool:
-    """From the reduced bits (host values): whether every rank sent the same token."""
-    if not with_complements:
-        kind = type(values[0])  # int, float or complex: counted fastest as the values' own type
-        return values.count(kind(0)) + values.count(kind(world)) == len(values)
-    return all(values[i] != values[i + 8] for row in range(0, len(values), 16) for i in range(row, row + 8))
-
-
 def bits_agree_on_device(values: torch.Tensor, world: int, with_complements: bool) -> torch.Tensor:
-    """:func:`bits_agree` as a device tensor (a 0-d bool), for :class:`Deferred`."""
+    """Whether the reduced bits say that every one of ``world`` ranks sent the same token, as a tensor on their
+    device (a 0-d bool)."""
     if not with_complements:
         return ((values == 0) | (values == world)).all()
     pairs = values.view(-1, 2, 8)
     return (pairs[:, 0] != pairs[:, 1]).all()
 
 
-def header_tensor(header: bytes, device: torch.device) -> torch.Tensor:
-    """A header as a uint8 tensor of its own (``header`` is copied; to an accelerator without waiting for it)."""
-    host = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def headers_agree(gathered: torch.Tensor, ranks: int, width: int, at: int, mine: bytes) -> bool:
-    """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``."""
-    theirs = gathered.as_strided((ranks, AGREE), (width, 1), gathered.storage_offset() + at)
-    if ranks <= 16:  # compared on the host as numbers: fewer tensor operations
-        want = list(mine[:AGREE])
-        return all(row == want for row in theirs.tolist())
-    return torch.equal(theirs, torch.frombuffer(bytearray(mine[:AGREE]), dtype=torch.uint8).expand(ranks, AGREE))
-
-
 def headers_agree_on_device(
     gathered: torch.Tensor, ranks: int, width: int, at: int, mine: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`headers_agree` as a device tensor (a 0-d bool), for :class:`Deferred`."""
+    """Whether each of ``ranks`` messages of ``width`` bytes in ``gathered`` holds ``mine``'s agreed bytes at ``at``,
+    as a tensor on their device (a 0-d bool)."""
     theirs = gathered.as_strided((ranks, AGREE), (width, 1), gathered.storage_offset() + at)
     return (theirs == mine[:AGREE]).all()
-
-
-class Deferred(NamedTuple):
-    """A verdict computed on the device, on its way to the host; read at the next collective.
-
-    ``flag`` is pinned host memory the device writes (True: every rank agreed), ``event`` marks the
-    copy; ``call`` is the call it judges (for the table). A broadcast's receiver also keeps ``seen``,
-    the source's header (still on the device), and ``src``.
-    """
-
-    flag: torch.Tensor
-    event: Any
-    call: Any
-    seen: torch.Tensor | None
-    src: int
-
-    @classmethod
-    def start(cls, verdict: torch.Tensor, call: Any, seen: torch.Tensor | None, src: int) -> "Deferred":
-        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-        flag.copy_(verdict, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-        return cls(flag, event, call, seen, src)
-
-    def agreed(self) -> bool:
-        """The verdict (waits for the copy, which was issued a whole call ago)."""
-        self.event.synchronize()
-        return bool(self.flag.item())
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,3 +84,17 @@ def _rows(dtype: torch.dtype, device: torch.device, with_complements: bool) -> l
         table = [row + [1 - b for b in row] for row in table]
     values = torch.tensor(table, dtype=torch.int64).to(dtype).to(device)
     return list(values.unbind(0))
+
+
+_ROW_BYTES: dict[tuple[torch.dtype, bool, int], tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}
+
+
+def _row_bytes(key: tuple[torch.dtype, bool, int]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """For each byte value: the bytes of its bits as :func:`_rows` has them, and of each of them times ``times``."""
+    dtype, with_complements, times = key
+    if len(_ROW_BYTES) >= 256:
+        _ROW_BYTES.clear()
+    rows = _rows(dtype, torch.device("cpu"), with_complements)
+    mine, times_that = (tuple(bytes((row * k).view(torch.uint8).tolist()) for row in rows) for k in (1, times))
+    found = _ROW_BYTES[key] = (mine, times_that)
+    return found

@@ -2,9 +2,9 @@
 
 Each rank describes its call (the operation, the arguments that must agree, and the
 structure, dtypes and shapes of its input, or the error its input raised) and the
-descriptions are exchanged in one small all-gather. Every rank then reaches the same
-verdict from the same descriptions, so on a mismatch every rank raises
-:class:`~accelkit.DistributedOperationError` with the same per-process table, instead
+descriptions are exchanged in one small all-gather over the call's process group. Every
+rank of it then reaches the same verdict from the same descriptions, so on a mismatch each
+raises :class:`~accelkit.DistributedOperationError` with the same per-process table, instead
 of hanging, aborting in the backend, or silently mixing up bytes.
 """
 
@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from .. import _tree
-from .._state import ProcessState
 from ..errors import DistributedOperationError
 from . import _exchange
 
@@ -33,7 +32,9 @@ _RULES = {
 
 
 def check(
-    st: ProcessState,
+    device: torch.device,
+    group: Any,
+    ranks: Sequence[int],
     op: str,
     params: dict[str, Any],
     shapes: Sequence[tuple[torch.dtype, Sequence[int]]] | None = None,
@@ -42,20 +43,22 @@ def check(
     problem: BaseException | None = None,
     seq: int = 0,
 ) -> None:
-    """Exchange this rank's description of the call; raise if the ranks disagree.
+    """Exchange this rank's description of the call with the other ranks of ``group`` (``ranks``: their global
+    ranks, in the group's order; None: every process); raise if they disagree.
 
-    ``shapes``: the input's leaves as (dtype, shape). Every rank must call it. With ``problem``
+    ``shapes``: the input's leaves as (dtype, shape). Every rank of the group must call it. With ``problem``
     (this rank's input was invalid) it returns after the exchange so that the caller raises its
     own error, while the other ranks raise a :class:`DistributedOperationError` that quotes it.
     ``seq`` (the call's number, when the caller knows it) tells ranks that are out of step.
     """
     mine = _describe(op, params, shapes, spec, free_dim, problem)
     mine["seq"] = seq
-    blobs = _exchange.gather_bytes(pickle.dumps(mine), st.device, st.world_size)
+    blobs = _exchange.gather_bytes(pickle.dumps(mine), device, len(ranks), group)
     everyone: list[dict[str, Any]] = [_exchange.loads(b) for b in blobs]
     if problem is not None:
         return
-    message = _verdict(op, everyone, spec)
+    where = "" if group is None else f" over the process group of processes {', '.join(map(str, ranks))}"
+    message = _verdict(op, everyone, spec, list(ranks), where)
     if message:
         raise DistributedOperationError(message)
 
@@ -92,15 +95,19 @@ def leaf_text(dtype: torch.dtype, shape: Sequence[int]) -> str:
     return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
 
 
-def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None) -> str:
-    head = f"Cannot apply accelkit.{op}"
+def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None, ranks: list[int], where: str) -> str:
+    head = f"Cannot apply accelkit.{op}{where}"
+
+    def _table(headline: str, rows: list[str], rule: str, extra: str = "") -> str:
+        return _rows(headline, ranks, rows, rule, extra)
+
     if len({d["op"] for d in everyone}) > 1:
         return _table(
             f"{head}: the processes called different operations.",
             [f"accelkit.{d['op']}({d['args']}) {d['text']}".rstrip() for d in everyone],
             "every process must call the same collectives in the same order",
         )
-    failed = [r for r, d in enumerate(everyone) if d["error"]]
+    failed = [ranks[r] for r, d in enumerate(everyone) if d["error"]]
     if failed:
         names = ", ".join(map(str, failed))
         return _table(
@@ -119,7 +126,7 @@ def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | Non
             f"{head}: the inputs differ across processes.",
             [d["text"] for d in everyone],
             _RULES.get(op, "every process must pass the same structure, dtypes and shapes") + _args(everyone[0]),
-            _first_difference(everyone, spec),
+            _first_difference(everyone, spec, ranks),
         )
     seqs = {d.get("seq", 0) for d in everyone}
     if len(seqs) > 1:
@@ -133,15 +140,18 @@ def _verdict(op: str, everyone: list[dict[str, Any]], spec: _tree.TreeSpec | Non
     return ""
 
 
-def _first_difference(everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None) -> str:
-    base = everyone[0]
-    for rank, d in enumerate(everyone[1:], start=1):
+def _first_difference(everyone: list[dict[str, Any]], spec: _tree.TreeSpec | None, ranks: list[int]) -> str:
+    base, first_rank = everyone[0], ranks[0]
+    for rank, d in zip(ranks[1:], everyone[1:], strict=True):
         if d["structure"] != base["structure"]:
-            return f"The structure differs: {base['structure']} on process 0, {d['structure']} on process {rank}."
+            return (
+                f"The structure differs: {base['structure']} on process {first_rank}, {d['structure']} on "
+                f"process {rank}."
+            )
         for i, (a, b) in enumerate(zip(base["key"], d["key"], strict=False)):
             if a != b and spec is not None and spec.kind != "leaf":
                 path, first, other = _tree.leaf_paths(spec)[i], base["leaf_texts"][i], d["leaf_texts"][i]
-                return f"First difference: {path} is {first} on process 0, {other} on process {rank}."
+                return f"First difference: {path} is {first} on process {first_rank}, {other} on process {rank}."
     return ""
 
 
@@ -149,8 +159,8 @@ def _args(description: dict[str, Any]) -> str:
     return f" ({description['args']})" if description["args"] else ""
 
 
-def _table(headline: str, rows: list[str], rule: str, extra: str = "") -> str:
-    lines = [headline, *(f"  - Process {rank}: {row}" for rank, row in enumerate(rows))]
+def _rows(headline: str, ranks: list[int], rows: list[str], rule: str, extra: str) -> str:
+    lines = [headline, *(f"  - Process {rank}: {row}" for rank, row in zip(ranks, rows, strict=True))]
     if extra:
         lines.append(extra)
     lines.append(f"Fix: {rule[0].upper()}{rule[1:]}.")

@@ -6,6 +6,9 @@
 - Every result is a new tensor with compact storage of its own; inputs are never written.
 - Python objects travel pickled in uint8 tensors (numpy is not needed).
 - A backend failure becomes :class:`CommunicationError`, which the collective names.
+
+Every call takes the process group it runs over (``group``: None is the world); a ``src`` is a
+global rank, as in torch.distributed.
 """
 
 from __future__ import annotations
@@ -13,12 +16,11 @@ from __future__ import annotations
 import collections
 import pickle
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from . import _scratch
 
 _BYTE = torch.uint8
 _COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
@@ -58,8 +60,17 @@ _KEPT: dict[int, collections.deque[tuple[Any, ...]]] = {}
 def _keep(args: tuple[Any, ...]) -> None:
     kept = _KEPT.get(threading.get_ident())
     if kept is None:
-        kept = _scratch.mine(_KEPT, lambda: collections.deque(maxlen=4))
+        kept = mine(_KEPT, lambda: collections.deque(maxlen=4))
     kept.append(args)
+
+
+def mine(table: dict[int, Any], make: Callable[[], Any]) -> Any:
+    """This thread's entry in ``table``, made now; the entries of threads that ended go (a background save's)."""
+    alive = {t.ident for t in threading.enumerate()}
+    for ident in [i for i in table if i not in alive]:
+        table.pop(ident, None)
+    entry = table[threading.get_ident()] = make()
+    return entry
 
 
 def release() -> None:
@@ -92,14 +103,14 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise CommunicationError(exc) from exc
 
 
-def broadcast_tensor(x: torch.Tensor, src: int) -> None:
-    """Broadcast ``x`` in place from ``src`` (a global rank: the default group's)."""
-    _run(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src)
+def broadcast_tensor(x: torch.Tensor, src: int, group: Any = None) -> None:
+    """Broadcast ``x`` in place from global rank ``src`` over ``group``."""
+    _run(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src, group)
 
 
-def all_reduce(x: torch.Tensor, op: str) -> None:
-    """Reduce ``x`` in place over the ranks with ``op`` ("sum", "max", "min" or "product")."""
-    _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op])
+def all_reduce(x: torch.Tensor, op: str, group: Any = None) -> None:
+    """Reduce ``x`` in place over ``group``'s ranks with ``op`` ("sum", "max", "min" or "product")."""
+    _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op], group)
 
 
 def all_gather(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
@@ -163,57 +174,60 @@ def full(shape: Any, value: Any, dtype: torch.dtype, device: torch.device) -> to
     return torch.full(shape, value, dtype=dtype, device=device)
 
 
-def gather(leaves: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-    """Every rank's leaves, each concatenated along dim 0 in rank order (one all-gather per leaf)."""
+def gather(leaves: list[torch.Tensor], world: int, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's leaves (``world`` ranks), each concatenated along dim 0 in rank order (one all-gather per leaf)."""
     out = []
     for x in leaves:
         if x.dtype in NATIVE:
             mine = flat(x)
             result = mine.new_empty((world * x.shape[0], *x.shape[1:]) if x.dim() else (world,))
             if mine.numel():
-                all_gather(result.view(-1), mine)
+                all_gather(result.view(-1), mine, group)
         else:  # moved as bytes
             mine = as_bytes(x)
             data = mine.new_empty(world * mine.numel())
             if mine.numel():
-                all_gather(data, mine)
+                all_gather(data, mine, group)
             result = from_bytes(data, x, world)
         out.append(result)
     return out
 
 
-def broadcast(leaves: list[torch.Tensor], src: int, rank: int) -> list[torch.Tensor]:
-    """``src``'s leaves on every rank, as new tensors (one broadcast per leaf, as bytes)."""
+def broadcast(leaves: list[torch.Tensor], src: int, rank: int, group: Any = None) -> list[torch.Tensor]:
+    """``src``'s leaves on every rank (``rank``: this one's global rank), as new tensors (one broadcast per leaf,
+    as bytes)."""
     out = []
     for x in leaves:
         data = own(x).view(-1).view(_BYTE) if rank == src else torch.empty(x.nbytes, dtype=_BYTE, device=x.device)
         if data.numel():
-            broadcast_tensor(data, src)
+            broadcast_tensor(data, src, group)
         out.append(from_bytes(data, x))
     return out
 
 
-def reduce(leaves: list[torch.Tensor], op: str, world: int) -> list[torch.Tensor]:
-    """The leaves reduced over the ranks with ``op`` (one all-reduce per leaf, in a wider dtype where needed)."""
+def reduce(leaves: list[torch.Tensor], op: str, world: int, group: Any = None) -> list[torch.Tensor]:
+    """The leaves reduced over ``group``'s ``world`` ranks with ``op`` (one all-reduce per leaf, in a wider dtype
+    where needed)."""
     out = []
     for x in leaves:
         wide = WIDER.get(x.dtype)
         buf = own(x) if wide is None else flat(x).to(wide)
         if buf.numel():
-            all_reduce(buf, "sum" if op == "mean" else op)
+            all_reduce(buf, "sum" if op == "mean" else op, group)
         out.append(reduced(buf, op, world, x))
     return out
 
 
 def reduced(buf: torch.Tensor, op: str, world: int, like: torch.Tensor) -> torch.Tensor:
-    """A reduced 1-d ``buf`` as the result for ``like``: the mean divided, back in ``like``'s dtype and shape."""
+    """A reduced ``buf`` (1-d, or shaped like ``like``) as the result for ``like``: the mean divided, back in
+    ``like``'s dtype and shape."""
     if op == "mean":
         buf = buf.div_(world)
     elif buf.dtype == torch.bool:  # gloo's sum leaves the count in each byte: proper booleans (0 or 1)
         buf = buf.view(torch.uint8).clamp_(max=1).view(torch.bool)
-    if buf.dtype != like.dtype:
-        buf = buf.to(like.dtype)
-    return buf if like.dim() == 1 else buf.view(like.shape)
+    if buf.dtype != like.dtype:  # (booleans reduced as bytes with max or min: 0 or 1, booleans as they are)
+        buf = buf.view(like.dtype) if like.dtype == torch.bool else buf.to(like.dtype)
+    return buf if buf.shape == like.shape else buf.view(like.shape)
 
 
 def pad(
@@ -249,20 +263,22 @@ def gather_bytes(payload: bytes, device: torch.device, world: int, group: Any = 
     return [bytes((r[8:] + t)[:n]) for r, t, n in zip(rows, tails, lengths, strict=True)]
 
 
-def gather_padded(payload: bytes, width: int, lengths: list[int], device: torch.device, world: int) -> list[bytes]:
+def gather_padded(
+    payload: bytes, width: int, lengths: list[int], device: torch.device, world: int, group: Any = None
+) -> list[bytes]:
     """Every rank's ``payload`` (``lengths`` bytes each, agreed beforehand), padded to ``width`` in one all-gather."""
     mine = to_tensor(payload.ljust(width, b"\0"), device)
     out = mine.new_empty(world * width)
-    all_gather(out, mine)
+    all_gather(out, mine, group)
     data = _host_bytes(out)
     return [bytes(data[r * width : r * width + n]) for r, n in enumerate(lengths)]
 
 
-def broadcast_bytes(payload: bytes, length: int, src: int, rank: int, device: torch.device) -> bytes:
+def broadcast_bytes(payload: bytes, length: int, src: int, rank: int, device: torch.device, group: Any = None) -> bytes:
     """``src``'s ``payload`` (``length`` bytes, agreed beforehand) on every rank."""
     data = to_tensor(payload, device) if rank == src else torch.empty(length, dtype=_BYTE, device=device)
     if length:
-        broadcast_tensor(data, src)
+        broadcast_tensor(data, src, group)
     return payload if rank == src else bytes(_host_bytes(data))
 
 
@@ -277,9 +293,9 @@ def exchange_objects(obj: Any, group: Any) -> list[Any]:
     return [loads(b) for b in gather_bytes(pickle.dumps(obj), torch.device("cpu"), world, group)]
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
     """The backend's own barrier (unchecked collectives)."""
-    _run(dist.barrier)
+    _run(dist.barrier, group)
 
 
 def loads(payload: bytes) -> Any:
@@ -311,9 +327,9 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
-def start_sum(x: torch.Tensor) -> Any:
-    """Begin summing ``x`` in place over the ranks without waiting; :func:`wait` waits for it."""
-    return _run(dist.all_reduce, x, async_op=True)
+def start_sum(x: torch.Tensor, group: Any = None) -> Any:
+    """Begin summing ``x`` in place over ``group``'s ranks without waiting; :func:`wait` waits for it."""
+    return _run(dist.all_reduce, x, group=group, async_op=True)
 
 
 def wait(work: Any) -> None:

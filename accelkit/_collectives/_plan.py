@@ -19,22 +19,19 @@ as bits reduced along with it, or as the 64-byte header after a gather's or a br
 The message is a fresh buffer that replaces the copy raw code makes of the input (a reduction's
 clone, a broadcast source's), and the first result is that buffer itself (its data at offset 0,
 the token after it): a reduction or a broadcast costs raw code's copies at any size. A gather's
-results cannot be its message (every rank's header sits between the ranks' data): beyond
-``TAIL_BYTES`` per rank its data moves as raw code moves it (into the result, no copy) and the check
-goes beside it, begun first. So does a reduction whose dtype cannot count the ranks exactly
-(bfloat16 beyond 256 ranks, float16 beyond 2048, 8-bit integers).
+results are copied out of its message (every rank's header sits between the ranks' data), so a large
+gather moves as raw code moves it (into the result, no copy), the check beside it, begun first. So
+does a reduction whose dtype cannot count the ranks exactly. Each mover says which (``rides``).
 """
 
 from typing import Any, NamedTuple
 
 import torch
 
-from . import _check
-from ._exchange import WIDER, full
+from ._exchange import full
 
 __all__ = ["Plan", "Point", "learn"]
 
-TAIL_BYTES = 1 << 20  # a gather's bytes per rank up to which the token rides in its message
 _MAX_PLANS = 1024  # points; beyond, every rank forgets them all alike
 _ALTERNATIVES = 8  # calls remembered per point; beyond, the one agreed least often goes
 
@@ -73,7 +70,7 @@ class Point:
 
 
 def learn(points: dict[int, Point], key: int, fingerprint: int, mover: tuple[str, Any], data: list[torch.Tensor],
-          world: int) -> None:  # fmt: skip
+          tail: bool) -> None:  # fmt: skip
     """After a call every rank agreed on, another than ``key``'s plan: remember it as one to plan there."""
     if len(points) >= _MAX_PLANS:
         points.clear()
@@ -86,19 +83,6 @@ def learn(points: dict[int, Point], key: int, fingerprint: int, mover: tuple[str
         if point.plan is not None and point.plan.fingerprint == rarest:
             point.plan = None
     shapes = tuple((x.dtype, x.shape) for x in data)
-    point.plans[fingerprint] = Plan(fingerprint, mover, shapes, _tail(data, mover, world))
+    point.plans[fingerprint] = Plan(fingerprint, mover, shapes, tail)
     point.counts.setdefault(fingerprint, 0)
     point.agreed(fingerprint)
-
-
-def _tail(data: list[torch.Tensor], mover: tuple[str, Any], world: int) -> bool:
-    """Whether the token rides in the data message (else: a check beside it)."""
-    if not data:
-        return False
-    if mover[0] == "broadcast":
-        return True
-    if mover[0] != "reduce":
-        return sum(x.numel() * x.element_size() for x in data) <= TAIL_BYTES
-    first = WIDER.get(data[0].dtype, data[0].dtype)
-    wire = "sum" if mover[1] == "mean" else mover[1]
-    return _check.logic(first, wire) or world <= _check.EXACT.get(first, 0)

@@ -1,4 +1,8 @@
-"""One collective's scope: numbered, where the rank is published for the heartbeat, a backend failure named."""
+"""One collective's scope: numbered on its channel, where the rank is published for the heartbeat, a backend failure
+named.
+
+Only calls over the world's channel are published (``_state.group.now``): the heartbeat compares every
+rank's position by number, and a sub-group's calls are numbered on their own."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from .. import _group, _state
 from .._state import Now, ProcessState
 from ..errors import DistributedOperationError
 from . import _exchange, _signature
-from ._checked import Call
+from ._channel import Channel, describe
+from ._signature import Call
 
 __all__ = ["collective", "communication"]
 
@@ -27,31 +32,37 @@ def communication(st: ProcessState, op: str) -> Iterator[None]:
 
 
 class collective:
-    """One collective: numbered, its start and end published for the heartbeat, a backend failure named.
+    """One collective over ``ch``: numbered, its start and end published for the heartbeat (the world's), a
+    backend failure named.
 
     The heartbeat thread reads only ``group.now``, an immutable snapshot this thread replaces.
     """
 
-    __slots__ = ("call", "group", "st")
+    __slots__ = ("call", "ch", "st")
 
-    def __init__(self, st: ProcessState, call: Call) -> None:
-        self.st, self.call, self.group = st, call, _state.group
+    def __init__(self, st: ProcessState, ch: Channel, call: Call) -> None:
+        self.st, self.ch, self.call = st, ch, call
 
     def __enter__(self) -> None:
-        group, call, sig = self.group, self.call, self.call.sig
+        group, ch, call = _state.group, self.ch, self.call
         if group.closed:
             _refuse_closed(self.st, group.closed)
-        group.seq += 1
-        call.seq, call.token = group.seq, _signature.token(sig, group.seq)
+        seq = ch.seq = ch.seq + 1
+        sig = call.sig
+        call.seq, call.token = seq, _signature.token(sig, seq)
         _exchange.release()
-        group.now = Now(sig.op, group.seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text)
+        if ch.world:
+            # Every field given, without Now(...)'s Python frame: one each way per call.
+            fields = (sig.op, seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text, "")
+            group.now = tuple.__new__(Now, fields)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        group = self.group
-        now = group.now
-        group.now = Now(now.op, now.seq, False, time.monotonic(), now.thread, 0, "")
+        if self.ch.world:
+            group = _state.group
+            now = group.now
+            group.now = tuple.__new__(Now, (now.op, now.seq, False, time.monotonic(), now.thread, 0, "", ""))
         if isinstance(exc, _exchange.CommunicationError):
-            _failed(self.call.op, self.st, exc, group.seq)
+            _failed(self.call.op, self.st, exc, self.ch)
 
 
 def _refuse_closed(st: ProcessState, reason: str) -> NoReturn:
@@ -61,12 +72,17 @@ def _refuse_closed(st: ProcessState, reason: str) -> NoReturn:
     )
 
 
-def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError, seq: int | None = None) -> NoReturn:
+def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError, ch: Channel | None = None) -> NoReturn:
     """Name the operation in a backend failure (a timeout, a lost peer), and the ranks it waited for."""
     exc = error.cause
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    name = f"accelkit.{op}" + (f" #{seq}" if seq is not None else "")
-    lines = [f"{name} failed on process {st.rank} of {st.world_size}: {first}", *_whereabouts(st, op, seq)]
+    name = f"accelkit.{op}" + (f" #{ch.seq}" if ch is not None else "")
+    if ch is None or ch.world:
+        where = _whereabouts(st, op, ch.seq if ch is not None else None)
+    else:
+        name += f" over the process group of processes {describe(ch.ranks)}"
+        where = []
+    lines = [f"{name} failed on process {st.rank} of {st.world_size}: {first}", *where]
     raise DistributedOperationError(
         "\n".join(lines) + "\n"
         f"Collectives wait at most {st.options.timeout:g} s (the `timeout` option of ak.init / "

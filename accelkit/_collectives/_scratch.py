@@ -1,12 +1,12 @@
-"""Each thread's reused host buffer, for the messages of small collectives whose bytes no result shares.
+"""Each thread's reused host buffer, for the host wire's messages, whose bytes no result shares.
 
 The buffer is a ``bytearray`` seen as a uint8 tensor (``torch.frombuffer``): the backend moves the
-tensor, and the few bytes that are Python's (a call's header) are written and read in the bytearray
-itself, without a tensor operation. The views of the buffer that one kind of message needs are made
-once (:class:`GatherLayout`) and reused; results are always copied out of it (``torch.cat``), so that
-no user ever holds a view of it. A new buffer replaces one too small (up to :data:`LIMIT` bytes; larger
-messages get tensors of their own), and a thread's buffer goes when a later thread makes its own after
-it ended (a background save runs in a new thread each time).
+tensor, and the few bytes that are Python's (a call's header, its token's bits) are written and read in
+the bytearray itself, without a tensor operation. The views of the buffer that one kind of message needs
+are made once (:class:`GatherLayout`, :class:`MessageLayout`) and reused; results are always copied out
+of it, so that no user ever holds a view of it. A new buffer replaces one too small; the host wire sends
+only small messages through it (larger ones move as raw code moves them). Each thread has its own
+(``threading.local``): it goes with its thread.
 """
 
 from __future__ import annotations
@@ -16,24 +16,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LIMIT", "Buffer", "GatherLayout", "gather", "head", "mine"]
+__all__ = ["HEAD", "LIMIT", "Buffer", "GatherLayout", "MessageLayout", "gather", "gather_width", "head", "message",
+           "message_width", "mine"]  # fmt: skip
 
 LIMIT = 16 << 20  # bytes
 _FIRST = 64 << 10  # a thread's first buffer: grown as needed
 _ALIGN = 16  # every view begins at a multiple of it (a dtype view needs its element size)
 HEAD = 64  # bytes of a header on its own (_signature.HEADER; every element size divides it)
+_SMALL = 2048  # bytes of a token's bits on their own: 128 elements of up to 16 bytes
 _LAYOUTS = 64  # kinds of message remembered per buffer; beyond, all are forgotten alike
 
 Shapes = tuple[tuple[torch.dtype, torch.Size], ...]
-
-
-def mine(table: dict[int, Any], make: Any) -> Any:
-    """This thread's entry in ``table``, made now; the entries of threads that ended go (a background save's)."""
-    alive = {t.ident for t in threading.enumerate()}
-    for ident in [i for i in table if i not in alive]:
-        table.pop(ident, None)
-    entry = table[threading.get_ident()] = make()
-    return entry
 
 
 class GatherLayout(NamedTuple):
@@ -51,23 +44,42 @@ class GatherLayout(NamedTuple):
     width: int
 
 
+class MessageLayout(NamedTuple):
+    """One kind of message in a buffer: the leaves' values (each at a multiple of 16 bytes), then ``tail``'s bytes
+    (a header, or a token's bits), the whole seen as one 1-d tensor of the message's dtype."""
+
+    message: torch.Tensor
+    inputs: list[torch.Tensor]  # per leaf: its values, shaped like it
+    tail: int  # where the tail begins, in bytes from the buffer's start
+
+
 class Buffer:
     """A thread's buffer, and the layouts made in it."""
 
-    __slots__ = ("head_raw", "heads", "layouts", "raw", "tensor")
+    __slots__ = ("head_raw", "heads", "layouts", "raw", "small_raw", "smalls", "tensor")
 
     def __init__(self, nbytes: int) -> None:
         self.raw = bytearray(nbytes)
         self.tensor = torch.frombuffer(self.raw, dtype=torch.uint8)
-        self.layouts: dict[Any, GatherLayout] = {}
+        self.layouts: dict[Any, Any] = {}
         self.head_raw = bytearray(HEAD)  # a header on its own: a broadcast's, before or after it travels
         self.heads = {torch.uint8: torch.frombuffer(self.head_raw, dtype=torch.uint8)}
+        self.small_raw = bytearray(_SMALL)  # a token's bits on their own: the check's, or read from a message
+        self.smalls: dict[Any, torch.Tensor] = {}
 
     def head(self, dtype: torch.dtype) -> torch.Tensor:
         """The header's bytes as a 1-d tensor of ``dtype`` (its bytes are ``head_raw``'s)."""
         found = self.heads.get(dtype)
         if found is None:
             found = self.heads[dtype] = self.heads[torch.uint8].view(dtype)
+        return found
+
+    def small(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """``count`` elements of ``dtype`` at the start of ``small_raw``."""
+        found = self.smalls.get((dtype, count))
+        if found is None:
+            whole = torch.frombuffer(self.small_raw, dtype=torch.uint8)
+            found = self.smalls[dtype, count] = whole[: count * dtype.itemsize].view(dtype)
         return found
 
     def gather_layout(self, world: int, shapes: Shapes, header_bytes: int) -> GatherLayout:
@@ -94,34 +106,72 @@ class Buffer:
                                                             headers, width)  # fmt: skip
         return layout
 
+    def message_layout(self, shapes: Shapes, dtype: torch.dtype, tail_bytes: int) -> MessageLayout:
+        """A new layout of a message of ``shapes`` seen as ``dtype``, then ``tail_bytes`` bytes, remembered."""
+        if len(self.layouts) >= _LAYOUTS:
+            self.layouts.clear()
+        offsets, at = _offsets(shapes)
+        whole = self.tensor[: _aligned(at + tail_bytes)]
+        inputs = [whole[o : o + shape.numel() * d.itemsize].view(d).view(shape)
+                  for (d, shape), o in zip(shapes, offsets, strict=True)]  # fmt: skip
+        layout = self.layouts[shapes, dtype, tail_bytes] = MessageLayout(whole.view(dtype), inputs, at)
+        return layout
 
-_BUFFERS: dict[int, Buffer] = {}
+
+_LOCAL = threading.local()
 
 
-def gather(world: int, shapes: Shapes, header_bytes: int) -> tuple[Buffer, GatherLayout] | None:
+def mine() -> Buffer | None:
+    """This thread's buffer, if it made one."""
+    return getattr(_LOCAL, "buffer", None)
+
+
+def gather_width(shapes: Shapes, header_bytes: int) -> int:
+    """The bytes of one rank's message of a gather of ``shapes``, with its header."""
+    return _aligned(_offsets(shapes)[1] + header_bytes)
+
+
+def gather(world: int, shapes: Shapes, header_bytes: int) -> tuple[Buffer, GatherLayout]:
     """This thread's buffer and the layout in it of a gather of ``shapes`` over ``world`` ranks, with a header
-    of ``header_bytes`` after each rank's data (None beyond :data:`LIMIT` bytes: a message of its own)."""
-    found = _BUFFERS.get(threading.get_ident())
+    of ``header_bytes`` after each rank's data (made, and the buffer grown, the first time)."""
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
     layout = found.layouts.get((world, shapes)) if found is not None else None
-    width = layout.width if layout is not None else _aligned(_offsets(shapes)[1] + header_bytes)
-    if (world + 1) * width > LIMIT:
-        return None
     if found is None or layout is None:
-        found = _at_least((world + 1) * width)
+        found = _at_least((world + 1) * gather_width(shapes, header_bytes))
         layout = found.gather_layout(world, shapes, header_bytes)
     return found, layout
 
 
+def message_width(shapes: Shapes, tail_bytes: int) -> int:
+    """The bytes of a message of ``shapes``, then ``tail_bytes``."""
+    return _aligned(_offsets(shapes)[1] + tail_bytes)
+
+
+def message(shapes: Shapes, dtype: torch.dtype, tail_bytes: int, limit: int) -> tuple[Buffer, MessageLayout | None]:
+    """This thread's buffer and the layout in it of a message of ``shapes`` (seen as ``dtype``), then
+    ``tail_bytes`` bytes (made, and the buffer grown, the first time); None beyond ``limit`` bytes."""
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
+    layout = found.layouts.get((shapes, dtype, tail_bytes)) if found is not None else None
+    if found is None or layout is None:
+        width = message_width(shapes, tail_bytes)
+        if width > limit:
+            return head(), None
+        found = _at_least(width)
+        layout = found.message_layout(shapes, dtype, tail_bytes)
+    return found, layout
+
+
 def head() -> Buffer:
-    """This thread's buffer, for its header on its own (:meth:`Buffer.head`)."""
-    return _at_least(0)
+    """This thread's buffer, for its header or bits on their own (:meth:`Buffer.head`, :meth:`Buffer.small`)."""
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
+    return found if found is not None else _at_least(0)
 
 
 def _at_least(nbytes: int) -> Buffer:
-    found = _BUFFERS.get(threading.get_ident())
+    found: Buffer | None = getattr(_LOCAL, "buffer", None)
     if found is None or len(found.raw) < nbytes:
-        size = max(nbytes, _FIRST, 2 * len(found.raw) if found is not None else 0)
-        found = mine(_BUFFERS, lambda: Buffer(min(size, LIMIT)))
+        grown = min(max(_FIRST, 2 * len(found.raw) if found is not None else 0), LIMIT)
+        found = _LOCAL.buffer = Buffer(max(nbytes, grown))
     return found
 
 

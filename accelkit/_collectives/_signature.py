@@ -6,6 +6,7 @@ left out), and the call as the error tables show it. Its *token* for call number
 fingerprint with ``seq``: two ranks have equal tokens when they make the same call as the same
 collective of their program. The header carries the token's parts and what a one-way receiver needs
 to describe the sender's call: ``magic, op, flags, dtype, ndim, seq, fingerprint, length, dims[7]``.
+A :class:`Call` is one rank's side of one collective: its signature, its number, the tensors it moves.
 """
 
 import functools
@@ -18,7 +19,7 @@ import torch
 from .. import _tree
 from ._debug import leaf_text
 
-__all__ = ["AGREE", "CODES", "DTYPES", "ERROR", "FORMAT", "HEADER", "MAGIC", "OPS", "TREE", "Signature",
+__all__ = ["AGREE", "CODES", "DTYPES", "ERROR", "FORMAT", "HEADER", "MAGIC", "OPS", "TREE", "Call", "Signature",
            "describe_header", "signature", "token"]  # fmt: skip
 
 OPS = ("gather", "reduce", "broadcast", "pad_across_processes", "gather_object", "broadcast_object",
@@ -57,6 +58,30 @@ class Signature(NamedTuple):
 def token(sig: Signature, seq: int) -> int:
     """The 64-bit token of call number ``seq`` of kind ``sig``: equal on two ranks when they make the same call."""
     return (sig.fingerprint ^ (seq * _MIX)) & _MASK
+
+
+class Call:
+    """This rank's side of one collective: what it is, the tensors it moves, what the tables show.
+
+    ``seq`` and ``token`` are set as the call begins on its channel (its number there)."""
+
+    __slots__ = ("data", "free_dim", "op", "params", "problem", "seq", "shapes", "sig", "spec", "token")
+
+    def __init__(
+        self,
+        sig: Signature,
+        data: list[torch.Tensor],
+        params: dict[str, Any],
+        spec: _tree.TreeSpec | None = None,
+        free_dim: int | None = None,
+        problem: BaseException | None = None,
+    ) -> None:
+        self.sig, self.seq, self.token, self.data = sig, 0, 0, data
+        self.op, self.params, self.spec, self.free_dim, self.problem = sig.op, params, spec, free_dim, problem
+        self.shapes: list[tuple[torch.dtype, torch.Size]] | None = None  # the user's leaves for the tables (or data's)
+
+    def leaf_shapes(self) -> list[tuple[torch.dtype, torch.Size]]:
+        return self.shapes if self.shapes is not None else [(x.dtype, x.shape) for x in self.data]
 
 
 def signature(

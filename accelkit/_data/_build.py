@@ -24,7 +24,7 @@ from .. import _collectives, _state, _tree
 from .._options import is_int
 from .._state import ProcessState
 from ._loader import ActiveLoader, LoaderPlan, Order, PreparedDataLoader
-from ._parallel import DataParallel, data_parallel, keep_data_parallel
+from ._parallel import DataParallel, data_parallel
 from ._sampling import Layout, ShardedBatchSampler, ShardedIterable
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ def _prepare_map(
     ragged = batches or not (layout.even or drop)
     plan = _plan(st, dp, loader, shard, order_gen, base, ragged=ragged, lookahead=False)
     plan = plan._replace(order=order, data_seed=data_seed)
-    options = _loader_options(loader)
+    options = _loader_options(loader, plan)
     if unbatched:
         return PreparedDataLoader(loader.dataset, plan, sampler=shard, batch_size=None, **options)
     prepared = PreparedDataLoader(loader.dataset, plan, batch_sampler=shard, **options)
@@ -147,7 +147,7 @@ def _prepare_stream(
     ragged = not (even or loader.drop_last)
     plan = _plan(st, dp, loader, shard, None, loader.dataset, ragged=ragged, lookahead=in_workers)
     plan = plan._replace(data_seed=data_seed)
-    options = _loader_options(loader)
+    options = _loader_options(loader, plan)
     return PreparedDataLoader(shard, plan, batch_size=size, drop_last=loader.drop_last, **options)
 
 
@@ -216,13 +216,12 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
     entry: ActiveLoader | None = active[-1] if active else None
     cut = entry.padding if entry is not None and entry.at_last_batch else 0
     size = entry.global_size if entry is not None else 0
-    dp = data_parallel(st)
     if use_gather_object:
-        parts = keep_data_parallel(_collectives.gather_object(data), dp)
+        parts = _collectives.gather_object(data, group="dp")
         items = [x for part in parts for x in (part if isinstance(part, (list, tuple)) else (part,))]
         return items[: size - cut] if cut and len(items) == size else items
-    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged) and dp.group is None:  # no tree
-        everyone = _collectives.gather(data)
+    if isinstance(data, torch.Tensor) and (entry is None or not entry.ragged):  # one tensor: no tree to build
+        everyone = _collectives.gather(data, group="dp")
         return everyone[: size - cut] if cut and everyone.shape[0] == size else everyone
     try:
         leaves, spec = _tree.flatten(data, "accelkit.gather_for_metrics")
@@ -230,31 +229,27 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
         raise TypeError(f"{exc} Or pass use_gather_object=True for non-tensor data.") from None
     if not leaves:
         return data
-    if entry is not None and entry.ragged:
-        out = _gather_ragged(leaves, st.world_size, dp)
-    else:
-        out = _collectives.gather(leaves)
-        if dp.group is not None:  # the ranks of a tensor-parallel group sent the same samples: keep one of each
-            out = [torch.cat(keep_data_parallel(list(x.chunk(st.world_size)), dp)) for x in out]
+    ragged = entry is not None and entry.ragged
+    out = _gather_ragged(leaves) if ragged else _collectives.gather(leaves, group="dp")
     if cut:
         out = [x[: size - cut] if x.shape[0] == size else x for x in out]
     return _tree.unflatten(spec, out)
 
 
-def _gather_ragged(leaves: list[torch.Tensor], world: int, dp: DataParallel) -> list[torch.Tensor]:
-    """Gather tensors whose first dimension differs between ranks: sizes first, then data."""
+def _gather_ragged(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gather tensors whose first dimension differs between the data-parallel ranks: sizes first, then data."""
     leaves = [x.reshape(1) if x.dim() == 0 else x for x in leaves]
-    sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device))
-    table = sizes.view(world, len(leaves)).tolist()
+    sizes = _collectives.gather(torch.tensor([x.shape[0] for x in leaves], device=leaves[0].device), group="dp")
+    table = sizes.view(-1, len(leaves)).tolist()
+    world = len(table)
     longest = [max(column) for column in zip(*table, strict=True)]
     padded = [
         torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))]) if x.shape[0] < m else x
         for x, m in zip(leaves, longest, strict=True)
     ]
-    gathered = _collectives.gather(padded)
-    ranks = keep_data_parallel(list(range(world)), dp)
+    gathered = _collectives.gather(padded, group="dp")
     return [
-        torch.cat([g[r * m : r * m + table[r][i]] for r in ranks])
+        torch.cat([g[r * m : r * m + table[r][i]] for r in range(world)])
         for i, (g, m) in enumerate(zip(gathered, longest, strict=True))
     ]
 
@@ -298,9 +293,10 @@ def _split(size: int, dp: DataParallel, split_batches: bool) -> int:
     if not split_batches:
         return size
     if size % dp.size:
+        who = "processes" if dp.group is None else "data-parallel processes"  # on a mesh: the ranks that load apart
         raise ValueError(
             f"accelkit.prepare(split_batches=True): batch_size={size} does not split evenly between "
-            f"{dp.size} data-parallel processes; use a multiple of {dp.size}, or split_batches=False"
+            f"{dp.size} {who}; use a multiple of {dp.size}, or split_batches=False"
         )
     return size // dp.size
 
@@ -354,13 +350,16 @@ def _plan(
     )
 
 
-def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
+def _loader_options(loader: DataLoader[Any], plan: LoaderPlan) -> dict[str, Any]:
     from .._launcher import LoaderWorkerLifeline  # once a loader is prepared
 
+    # Pinned batches, where the device's copies want them and the loader pins beside the step (the
+    # backend's transfer says); a user's pin_memory=True as it is, never pinned a second time.
+    pin = loader.pin_memory or (plan.transfer is not None and plan.transfer.pin_in_loader(loader.num_workers))
     options: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
+        "pin_memory": pin,
         "timeout": loader.timeout,
         # Workers die with this rank (Linux), whatever ends it; the user's init function runs after.
         "worker_init_fn": LoaderWorkerLifeline(loader.worker_init_fn) if loader.num_workers else loader.worker_init_fn,

@@ -7,7 +7,10 @@ iteration ends, raises, or is closed (a ``break`` drops the iterator).
 
 Device moves: on the CPU there are none. Elsewhere the hardware backend's transfer moves each
 batch, and the loader reads one batch ahead: batch ``i + 1`` is loaded and its copy issued
-before batch ``i`` is handed out, so that on CUDA the copy overlaps batch ``i``'s step. Which
+before batch ``i`` is handed out, so that on CUDA the copy overlaps batch ``i``'s step. Where the
+copies want pinned host memory, nothing pins on the iterating thread: a loader with workers pins
+in DataLoader's pin-memory thread (``_build`` turns ``pin_memory`` on where the transfer asks), a
+loader without them in the transfer's own thread. Which
 batches come, in which order, and the bookkeeping (last batch, padding, position for
 ``state_dict``) count the batches handed out, not the one read ahead. The read-ahead batch is
 loaded one step early: a map-style dataset that draws from the global RNG in the main process

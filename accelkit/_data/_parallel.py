@@ -1,21 +1,19 @@
 """This rank's place among the data-parallel ranks, as the strategy says: what loaders shard by.
 
 On a device mesh with tensor parallelism the ranks of a ``tp`` group share their batches: the
-loaders shard by the data-parallel rank and size, and a gather of the world holds each sample
-once per ``tp`` rank, so that :func:`keep_data_parallel` keeps one copy. The strategy owns the
-group (``process_group("dp")``); nothing here forms one.
+loaders shard by the data-parallel rank and size, and ``ak.gather_for_metrics`` gathers over the
+data-parallel group (``group="dp"``), so each sample comes once. The strategy owns the group
+(``process_group("dp")``); nothing here forms one.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from .. import _state
 from .._state import ProcessState
 
-__all__ = ["DataParallel", "data_parallel", "keep_data_parallel"]
-
-T = TypeVar("T")
+__all__ = ["DataParallel", "data_parallel"]
 
 
 class DataParallel(NamedTuple):
@@ -38,8 +36,3 @@ def data_parallel(st: ProcessState) -> DataParallel:
 
     ranks = tuple(dist.get_process_group_ranks(group))
     return DataParallel(ranks.index(st.rank), len(ranks), group, ranks)
-
-
-def keep_data_parallel(parts: list[T], dp: DataParallel) -> list[T]:
-    """Of one part per global rank (a gather of the world), those of this rank's data-parallel group, in its order."""
-    return parts if dp.group is None else [parts[r] for r in dp.ranks]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -13,7 +12,7 @@ from ._board import LATEST_BOARD
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
-__all__ = ["adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep", "unpin"]
+__all__ = ["adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep"]
 
 
 def form(
@@ -135,21 +134,6 @@ def start_upkeep(st: Any, store: Any, address: tuple[str, int], group: Any) -> N
     group.heartbeat.start()
 
 
-def unpin(group: Any) -> None:
-    """Free ``group`` from torch.distributed.nn.functional's defaults.
-
-    Its functions are written ``def all_reduce(tensor, op=..., group=group.WORLD)``: the
-    defaults hold the group that existed when it was first imported (DDP imports it via
-    torch._dynamo), which keeps that group's gloo connections open after it is destroyed.
-    ``None`` means the default group to torch.distributed, as the defaults intend.
-    """
-    module = sys.modules.get("torch.distributed.nn.functional")
-    for function in vars(module).values() if module is not None else ():
-        defaults = getattr(function, "__defaults__", None)
-        if isinstance(defaults, tuple) and any(d is group for d in defaults):
-            function.__defaults__ = tuple(None if d is group else d for d in defaults)
-
-
 def destroy() -> Any:
     """Destroy every process group (the default one and those made from it); the default one, or None."""
     import torch.distributed as dist
@@ -157,7 +141,9 @@ def destroy() -> Any:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     default = dist.group.WORLD
-    unpin(default)  # torch.distributed.nn.functional's defaults would keep it alive
+    from .. import _torch_private
+
+    _torch_private.unpin_from_defaults(default)  # torch.distributed.nn.functional's defaults would keep it alive
     dist.destroy_process_group()
     return default
 

@@ -42,6 +42,7 @@ def job_facts(options: Any, world_size: int) -> dict[str, str]:
         "gradient_accumulation_steps": str(options.gradient_accumulation_steps),
         "debug": str(options.debug),
         "check_collectives": str(options.check_collectives),
+        "mesh": f"dp_replicate={options.dp_replicate} dp_shard={options.dp_shard} tp={options.tp} cp={options.cp}",
         "world_size": str(world_size),
     }
 

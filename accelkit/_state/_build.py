@@ -247,7 +247,7 @@ def reform_group(store: Any, prefix: str) -> None:
 
     with this_process.lock:
         st = get()
-        this_process.group.restart_collectives()
+        this_process.group.channels = None  # every rank forgets its collectives' history alike: a new group
         _group.reform(st, store, prefix)
 
 

@@ -176,20 +176,16 @@ class GroupState:
       and ``previous_agreement`` the key prefix of the last one, deleted after the next.
     """
 
-    __slots__ = ("agreements", "board", "checkpoint_group", "closed", "heartbeat", "job_store", "key", "meetings",
-                 "now", "pending", "plans", "prefix", "previous_agreement", "seq", "store")  # fmt: skip
+    __slots__ = ("agreements", "board", "channels", "checkpoint_group", "closed", "heartbeat", "job_store", "meetings",
+                 "now", "prefix", "previous_agreement", "store")  # fmt: skip
 
     def __init__(self) -> None:
         self.prefix = "accelkit"
         self.agreements = 0
         self.previous_agreement = ""
-        # Collectives (see collectives/_checked.py). Every rank updates these alike, from what all ranks sent.
-        self.seq = 0  # accelkit collectives begun on this group: the number of the current or last one
-        self.key = 0  # the point of the program: the fingerprint of the last call every rank agreed on (0: none)
-        self.plans: dict[int, Any] = {}  # what every rank sends at a point (collectives/_plan)
-        self.pending: Any = (
-            None  # the last call's verdict, on its way from an accelerator (collectives/_check.Deferred)
-        )
+        # The collectives' channels, one per process group they ran over (_collectives' own record, made at the
+        # first collective): forgotten with the group, and when it is formed anew (reform_group).
+        self.channels: Any = None
         self.checkpoint_group: Any = (
             None  # the gloo group background saves agree over (checkpoint/_async), made on first use
         )
@@ -201,7 +197,3 @@ class GroupState:
         self.job_store: Any = None  # the job's store the group was formed on (its waits are long: agreements)
         self.board = ""  # the key prefix of positions and reports in that store (see _group)
         self.heartbeat: Any = None  # the heartbeat thread (see _group)
-
-    def restart_collectives(self) -> None:
-        """Every rank forgets its collectives' history alike (a group re-formed after a failure)."""
-        self.seq, self.key, self.plans, self.pending = 0, 0, {}, None

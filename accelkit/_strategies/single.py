@@ -8,7 +8,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from .. import _torch_private
 from .._options import Options
 from ._protocol import Setup, Skipped, Strategy
 from .layout import Layout, check_plan, checkpoint_modules, split_layout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["PRECISION_DTYPES", "SingleProcess", "StepCalls", "holds_dtensors", "inner_attribute"]
 
@@ -103,14 +106,6 @@ class SingleProcess:
     def wrap_model(self, model: nn.Module, model_options: Mapping[str, Any]) -> nn.Module:
         """``model`` (already on the device and laid out) as this strategy runs it."""
         return model
-
-    def process_group(self, name: str) -> Any:
-        if name == "dp":
-            return None  # every process sees its own batches: the data-parallel group is the world
-        raise ValueError(
-            f"process group {name!r}: this job has no device mesh (strategy={self.name!r}), so its only group is "
-            f"'dp' (every process); set the mesh's sizes (dp_replicate, dp_shard, tp) to have {name!r}"
-        )
 
     def device_mesh(self) -> Any:
         return None
@@ -236,6 +231,16 @@ class SingleProcess:
 
     def shards_state(self, obj: Any) -> bool:
         return holds_dtensors(obj)
+
+    def process_group(self, name: str) -> ProcessGroup | None:
+        if name == "dp":
+            return None  # without a mesh, every process holds its own data: the world
+        raise ValueError(
+            f"accelkit: group={name!r} names a device mesh dimension, but this job has no device mesh, so its one "
+            f"group name is 'dp' (the data-parallel processes: all of them here). The names are 'dp', "
+            f"'dp_replicate', 'dp_shard', 'tp' and 'cp'; a mesh is configured with the dp_shard, dp_replicate "
+            f"and tp options (ak.init, @ak.distributed, `accelkit launch`)."
+        )
 
     @contextlib.contextmanager
     def _gradient_sync_off(self, model: nn.Module) -> Iterator[None]:
