@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import yaml
@@ -311,3 +311,39 @@ def test_the_quick_tour_accelerate_script_prints_the_same_as_its_port(
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _epochs(done.stdout) == tour_port[1]
+
+
+# --- one source for the figures the pages quote: docs/figures.yml -------------------------------
+
+
+def _figures() -> dict[str, Any]:
+    return yaml.safe_load((DOCS / "figures.yml").read_text())  # type: ignore[no-any-return]
+
+
+def test_the_pages_quote_the_figures_as_figures_yml_has_them() -> None:
+    figures, readme = _figures(), (ROOT / "README.md").read_text()
+    performance = (DOCS / "performance.md").read_text()
+    for row in figures["glance"]:
+        dash = {k: row[k] or "—" for k in ("accelerate", "fabric")}
+        assert f"| {row['what']} | {row['accelkit']} | {dash['accelerate']} | {dash['fabric']} |" in performance
+        assert f"| {row['what']} | {row['accelkit']} |" in readme
+        assert row["from"] is None or row["from"] in performance, f"the lab notes no longer say {row['from']!r}"
+    shown = re.findall(r"^\| `?(?:import|a |`save)[^\n]*\|$", readme, re.MULTILINE)
+    assert len(shown) == len(figures["glance"]), "the README's figures are figures.yml's glance rows, no others"
+    for page in ("README.md", "docs/getting-started.md", "docs/development.md"):
+        said = re.findall(r"about (\d+) minutes", (ROOT / page).read_text())
+        assert said == [str(figures["suite_minutes"])], f"{page} says the suite takes {said} minutes"
+
+
+def test_the_collectives_table_and_its_summary_are_figures_yml() -> None:
+    figures, performance = _figures(), (DOCS / "performance.md").read_text()
+    cells: dict[str, list[float]] = {"accelkit": [], "accelerate": []}
+    for row in figures["collectives"]:
+        sizes = [row[size] for size in ("1e3", "1e5", "1e6", "tree")]
+        text = "".join(f" {s['accelkit']} / {s['accelerate']} |" if s else " |" for s in sizes)
+        assert f"| `{row['call']}`: accelkit / Accelerate |{text}" in performance
+        for who in cells:
+            cells[who] += [float(x) for x in row["1e3"][who].rstrip("x").split("-")]
+    glance = next(r for r in figures["glance"] if r["what"].startswith("a checked collective"))
+    span = {who: f"{min(v):.2f}-{max(v):.2f}x" for who, v in cells.items()}
+    assert glance["accelkit"].startswith(span["accelkit"]) and glance["accelerate"].startswith(span["accelerate"])
