@@ -47,10 +47,8 @@ def gather(data: T, *, group: Group = None) -> T:
     to gather from (None: all; a torch ``ProcessGroup``; a mesh dimension's name, such as ``"dp"``).
 
     Args:
-        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
-            structure, dtypes and shapes on every rank.
-        group: the processes it runs over: ``None`` (all), a torch ``ProcessGroup``, or a mesh
-            dimension's name (``"dp"``).
+        data: a tensor or a tree of tensors: the same structure, dtypes and shapes on every rank.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak, torch
@@ -76,11 +74,9 @@ def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
     ``group``: as for :func:`gather` (a mean divides by the group's size).
 
     Args:
-        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
-            structure, dtypes and shapes on every rank.
+        data: a tensor or a tree of tensors: the same structure, dtypes and shapes on every rank.
         op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; the same on every rank.
-        group: the processes it runs over: ``None`` (all), a torch ``ProcessGroup``, or a mesh
-            dimension's name (``"dp"``).
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak, torch
@@ -103,11 +99,9 @@ def broadcast(data: T, src: int = 0, *, group: Group = None) -> T:
     global rank (``ak.rank()`` of the sender), in ``group`` (as for :func:`gather`) where one is given.
 
     Args:
-        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
-            structure, dtypes and shapes on every rank.
+        data: a tensor or a tree of tensors: the same structure, dtypes and shapes on every rank.
         src: the global rank whose ``data`` every rank receives.
-        group: the processes it runs over: ``None`` (all), a torch ``ProcessGroup``, or a mesh
-            dimension's name (``"dp"``).
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak, torch
@@ -135,13 +129,11 @@ def pad_across_processes(
     ``group``: as for :func:`gather`.
 
     Args:
-        data: a tensor, or a tree of them (lists, tuples, dicts, named tuples, dataclasses): the same
-            structure and dtypes on every rank.
+        data: a tensor or a tree of tensors: the same structure and dtypes on every rank.
         dim: the dimension to pad; tensors without it come back unchanged.
         pad_index: the value to pad with.
         pad_first: pad at the start instead of the end.
-        group: the processes it runs over: ``None`` (all), a torch ``ProcessGroup``, or a mesh
-            dimension's name (``"dp"``).
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak, torch
@@ -176,8 +168,7 @@ def gather_object(obj: Any, *, group: Group = None) -> list[Any]:
 
     Args:
         obj: any picklable object.
-        group: the processes it runs over: ``None`` (all), a torch ``ProcessGroup``, or a mesh
-            dimension's name (``"dp"``).
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak
@@ -205,8 +196,7 @@ def broadcast_object(obj: T, src: int = 0, *, group: Group = None) -> T:
     Args:
         obj: any picklable object on ``src``; ignored on the other ranks (pass ``None``).
         src: the global rank whose ``obj`` every rank receives.
-        group: the processes it runs over: ``None`` (all), a torch ``ProcessGroup``, or a mesh
-            dimension's name (``"dp"``).
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak
