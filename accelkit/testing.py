@@ -22,6 +22,7 @@ Functions sent to workers must be defined at module level (workers import them b
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -71,10 +72,19 @@ def free_port() -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     with _kept_lock:
+        if not _kept:
+            atexit.register(_release_ports)  # again after each release: a later test may ask for more
         _kept.append(sock)
         if len(_kept) > _KEPT_PORTS:
             _kept.pop(0).close()
     return int(sock.getsockname()[1])
+
+
+def _release_ports() -> None:
+    """At exit: close the ports still kept (left to the interpreter's teardown, each says ResourceWarning)."""
+    with _kept_lock:
+        while _kept:
+            _kept.pop().close()
 
 
 def _worker_env(device: object, options: dict[str, Any], call: str) -> dict[str, str]:
