@@ -79,6 +79,10 @@ def find_executable_batch_size(function: Any = None, /, *, starting_batch_size: 
     processes every rank always uses the same batch size (see the module's notes); build the
     model and optimizer inside the function.
 
+    Args:
+        function: the function to call; it takes the batch size as its first argument.
+        starting_batch_size: the batch size tried first.
+
     Example:
         >>> import accelkit as ak, torch
         >>> @ak.find_executable_batch_size(starting_batch_size=64)
@@ -106,6 +110,9 @@ def free_memory(*objects: object) -> list[None]:
     Rebind the names to the result, as below: the objects go with their last reference.
     Whatever is unreachable (cycles included) is freed here; call ``ak.free_memory()``
     again to hand the rebound objects' cached device memory back too.
+
+    Args:
+        *objects: objects to let go of: rebind their names to the result.
 
     Example:
         >>> import accelkit as ak, torch

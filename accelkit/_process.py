@@ -140,6 +140,10 @@ def wait_for_everyone() -> None:
 def print(*args: Any, **kwargs: Any) -> None:
     """``print`` on the main process only.
 
+    Args:
+        *args: what ``print`` takes.
+        **kwargs: ``print``'s keyword arguments (``sep``, ``end``, ``file``, ``flush``).
+
     Example:
         >>> import accelkit as ak
         >>> ak.print("loss", 0.5)
@@ -167,6 +171,9 @@ def on_main_process(fn: Any = None, /) -> Any:
 
     Decided at each call, so the same decorated function works on every rank.
 
+    Args:
+        fn: the function to decorate.
+
     Example:
         >>> import accelkit as ak
         >>> @ak.on_main_process
@@ -186,6 +193,9 @@ def on_local_main_process() -> Callable[[Callable[P, R]], Callable[P, R | None]]
 def on_local_main_process(fn: Any = None, /) -> Any:
     """Run the function on each node's local main process only; elsewhere return ``None``.
 
+    Args:
+        fn: the function to decorate.
+
     Example:
         >>> import accelkit as ak
         >>> @ak.on_local_main_process
@@ -200,6 +210,9 @@ def on_local_main_process(fn: Any = None, /) -> Any:
 
 def on_process(rank: int) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the function on global rank ``rank`` only; elsewhere it returns ``None``.
+
+    Args:
+        rank: the global rank that runs the function.
 
     Example:
         >>> import accelkit as ak
@@ -253,8 +266,10 @@ def local_main_process_first() -> contextlib.AbstractContextManager[None]:
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
     """Seed Python's, NumPy's (if installed) and torch's generators on every device.
 
-    ``device_specific`` adds the rank, so that ranks draw different numbers;
-    ``deterministic`` makes torch choose deterministic algorithms.
+    Args:
+        seed: the seed.
+        device_specific: add the rank to the seed, so that ranks draw different numbers.
+        deterministic: make torch choose deterministic algorithms.
 
     Example:
         >>> import accelkit as ak

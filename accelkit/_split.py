@@ -19,9 +19,12 @@ __all__ = ["split_between_processes"]
 def split_between_processes(inputs: T, apply_padding: bool = False) -> Iterator[T]:
     """Yield this rank's contiguous slice of ``inputs`` (in rank order).
 
-    ``inputs`` is a list, tuple, tensor (split on dim 0) or dict of equal-length values.
-    The first ``len % world_size`` ranks take one extra item. With ``apply_padding`` every
-    rank gets the same length, padded with the last item, so results can be gathered.
+    The first ``len % world_size`` ranks take one extra item, unless ``apply_padding`` evens
+    the lengths out, so that results can be gathered.
+
+    Args:
+        inputs: a list, tuple, tensor (split on dim 0) or dict of equal-length values.
+        apply_padding: give every rank the same length, padded with the last item.
 
     Example:
         >>> import accelkit as ak

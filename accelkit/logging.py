@@ -21,6 +21,9 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     ``stacklevel`` counts as in Accelerate's adapter: 2 (the default) is the line that called
     the logging method, 3 that line's caller (for a helper that logs on its caller's behalf).
+
+    Args:
+        logger: the ``logging.Logger`` to wrap.
     """
 
     def __init__(self, logger: logging.Logger) -> None:
@@ -71,7 +74,10 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:
     """A logger whose messages, by default, come from the main process only.
 
-    ``log_level`` (else ``ACCELKIT_LOG_LEVEL``) sets the logger's level.
+    Args:
+        name: the logger's name, usually ``__name__``.
+        log_level: the logger's level (``"INFO"``, ``logging.DEBUG``); ``None``: ``ACCELKIT_LOG_LEVEL``
+            when set, else unchanged.
 
     Example:
         >>> import accelkit as ak

@@ -122,10 +122,18 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_processes`` workers on ``device``; each rank's result.
 
-    ``device="cuda"`` puts every rank on cuda:0, over gloo. ``options`` are state options
-    (``precision``, ``debug``, ``timeout`` for collectives, ...).
     A worker that raises, dies or runs past ``task_timeout`` seconds stops the others and
     raises :class:`~accelkit.WorkerError` with its traceback (for a timeout: where it was).
+
+    Args:
+        fn: the function to run on every worker (defined at a module's top level).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        num_processes: the number of workers.
+        device: ``"cpu"``, or ``"cuda"`` (every rank on cuda:0, over gloo).
+        task_timeout: the seconds the workers may run before they are stopped.
+        max_restarts: restarts of the whole group after a failure, as ``@ak.distributed``'s.
+        **options: state options (``precision``, ``debug``, ``timeout`` for collectives, ...).
 
     Example:
         >>> from accelkit.testing import run_distributed
@@ -142,12 +150,17 @@ def run_distributed(
 class WorkerPool:
     """A long-lived group of ``num_processes`` gloo workers that run tasks in turn.
 
-    Workers run on the CPU, or with ``device="cuda"`` every one on cuda:0.
-
     Each worker joins the process group once, with ``options`` (e.g. ``debug=True``),
     then runs every task it is sent, with fresh training state. A task that raises on
     every rank leaves the group usable; any other failure (some ranks stuck, dead or
     done) restarts the group for the next task.
+
+    Args:
+        num_processes: the number of workers.
+        device: ``"cpu"``, or ``"cuda"`` (every worker on cuda:0, over gloo).
+        task_timeout: the seconds a task may run before the pool stops it and raises.
+        grace: once a rank has failed, the seconds the others get to finish before they are stopped.
+        **options: state options for the workers (``debug=True``, ``precision="bf16"``, ...).
 
     Example:
         >>> import accelkit as ak

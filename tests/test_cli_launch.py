@@ -120,6 +120,8 @@ def test_an_accelerate_config_is_read_and_its_ignored_keys_noted(
         (["--main-process-port", "70000"], "expected a TCP port from 1 to 65535, got '70000'"),
         (["--rdzv-timeout", "0"], "expected a positive number of seconds, got '0'"),
         (["--precision", "fp32"], "invalid choice: 'fp32'"),
+        (["--precision", "fp8"], "--precision: fp8 needs an NVIDIA GPU of compute capability 8.9 or newer, torchao"),
+        (["--mixed_precision", "fp8"], "fp8 needs an NVIDIA GPU of compute capability 8.9 or newer, torchao"),
         (["--rdzv-backend", "etcd"], "invalid choice: 'etcd'"),
     ],
 )

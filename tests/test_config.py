@@ -444,7 +444,12 @@ BAD = {
     "wrong type": ("debug: false\nnum_processes: two\n", ":2: num_processes: expected an integer >= 1, found 'two'"),
     "wrong type bool": ("cpu: 'yes'\n", ":1: cpu: expected true or false, found 'yes'; e.g. `cpu: true`"),
     "wrong type mapping": ("distributed_type: FSDP\nfsdp_config: full\n", ":2: fsdp_config: expected a mapping"),
-    "bad value": ("precision: fp32\n", ":1: precision: expected one of 'no', 'fp16', 'bf16', 'fp8', found 'fp32'"),
+    "bad value": ("precision: fp32\n", ":1: precision: expected one of 'no', 'fp16', 'bf16', found 'fp32'"),
+    "fp8 from accelerate": (
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nmixed_precision: fp8\n",
+        ":3: mixed_precision: expected one of 'no', 'fp16', 'bf16', found 'fp8'; fp8 needs an NVIDIA GPU",
+    ),
+    "fp8": ("precision: fp8\n", ":1: precision: expected one of 'no', 'fp16', 'bf16', found 'fp8'; fp8 needs an"),
     "bad port": ("main_process_port: 70000\n", ":1: main_process_port: expected an integer from 1 to 65535"),
     "bad rdzv": ("rdzv_backend: etcd\n", ":1: rdzv_backend: expected one of 'static', 'c10d', found 'etcd'"),
     "bad gpu ids": ("gpu_ids: first\n", ":1: gpu_ids: expected `all` or device indices like `0,1`"),

@@ -172,7 +172,7 @@ def test_a_precision_object_is_reusable_and_reentrant() -> None:
         return (a @ a).dtype
 
     assert matmul() == matmul() == torch.bfloat16
-    with pytest.raises(ValueError, match=r"'fp64'.*no, fp16, bf16, fp8"):
+    with pytest.raises(ValueError, match=r"'fp64'.*valid modes: no, fp16, bf16; did you mean 'fp16'\?$"):
         ak.precision("fp64")  # checked when made, not when first entered
 
 

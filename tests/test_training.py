@@ -315,12 +315,19 @@ def test_default_precision_comes_from_the_state() -> None:
 
 
 def test_unknown_precision_lists_the_valid_modes() -> None:
-    with pytest.raises(ValueError, match=r"'fp64'.*no, fp16, bf16, fp8"):
+    with pytest.raises(ValueError, match=r"'fp64'.*valid modes: no, fp16, bf16; did you mean 'fp16'\?$"):
         with ak.precision("fp64"):
             pass
     with pytest.raises(ValueError, match=r"fp8.*compute capability"):
         with ak.precision("fp8"):
             pass
+
+
+def test_fp8_is_refused_when_asked_for_saying_what_it_needs() -> None:
+    needs = "fp8 needs an NVIDIA GPU of compute capability 8.9 or newer, torchao, and a model converted to fp8"
+    with pytest.raises(ak.ConfigurationError, match=r"\(precision='fp8'\): expected one of 'no', 'fp16', 'bf16';") as e:
+        ak.init(precision="fp8")
+    assert needs in str(e.value)
 
 
 def test_accumulate_rejects_bad_steps() -> None:

@@ -33,6 +33,12 @@ def save_model(
     except for a sharded model (``fully_shard``): every rank must call it then, to gather
     the full weights.
 
+    Args:
+        model: a prepared or plain model, sharded or not.
+        directory: the folder to write the weights into (created if missing).
+        safe_serialization: ``None``: safetensors when installed, else ``pytorch_model.bin`` and a
+            warning; ``True``: safetensors or an error; ``False``: always ``pytorch_model.bin``.
+
     Example:
         >>> import accelkit as ak, torch
         >>> path = ak.save_model(torch.nn.Linear(2, 1), "export")  # doctest: +SKIP

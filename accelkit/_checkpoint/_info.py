@@ -28,9 +28,11 @@ class CheckpointInfo(Mapping[str, Any]):
         step: the ``step`` value when it was an integer, else None.
         world_size: the number of processes that saved it.
         objects: the names of the objects with state (``model``, ``optimizer``, ...).
-        sharded: those saved per rank (DCP); ``full``: those gathered with ``full_state=True``.
+        sharded: those saved per rank (DCP).
+        full: those gathered with ``full_state=True``.
         created_ns: the commit time, in ns since the epoch.
         versions: the accelkit, torch and Python versions that saved it.
+        values: the plain values, as ``info["name"]`` reads them.
     """
 
     __slots__ = _FIELDS
@@ -95,6 +97,9 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> CheckpointInfo:
     is created, no warning is given, and any process may call it alone. The manifest's checksum
     is verified, and so is the file of tensor values; the other files are verified by
     ``load_state``. A save in flight in this process (``blocking=False``) is waited for first.
+
+    Args:
+        directory: the checkpoint's directory.
 
     Example:
         >>> import accelkit as ak

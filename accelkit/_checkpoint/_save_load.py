@@ -83,6 +83,18 @@ def save_state(
     nothing: the checkpoint would hold neither those gradients nor the window's position, and
     the resumed run would differ. Save between windows: ``if ak.sync_gradients(): ak.save_state(...)``.
 
+    Args:
+        directory: the checkpoint's directory, the same on every rank. A checkpoint there is
+            replaced in one step; a folder that is neither empty nor a checkpoint is refused.
+        keep_last: then prune the oldest committed checkpoints beside it, keeping this many
+            (``None``: keep them all).
+        blocking: ``False``: return once the state is copied to host memory, and write it in the
+            background.
+        full_state: gather sharded models and their optimizers into one consolidated state.
+        **objects: what to save, each under its keyword's name: objects with ``state_dict()``
+            (``model=model``, ``scheduler=scheduler``) and plain values (``epoch=3``). ``load_state``
+            takes the same names.
+
     Example:
         >>> import accelkit as ak, torch
         >>> model = torch.nn.Linear(2, 1)
@@ -164,6 +176,13 @@ def load_state(directory: str | os.PathLike[str], *, strict: bool | None = None,
     device) raises. ``strict=True`` also refuses another world size: a resume that needs the
     per-rank state. ``strict=False`` skips whatever per-rank state does not fit, each rank
     warning about its own.
+
+    Args:
+        directory: the checkpoint's directory (e.g. what :func:`latest_checkpoint` found).
+        strict: ``None``: a checkpoint of another world size loads without its per-rank state, with
+            a warning; ``True``: it is refused; ``False``: whatever per-rank state does not fit is skipped.
+        **objects: the objects to restore, by the names they were saved under (``model=model``,
+            ``optimizer=optimizer``, ``scheduler=scheduler``).
 
     Example:
         >>> import accelkit as ak, torch
@@ -276,9 +295,14 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | str | None:
     names the newest whole checkpoint to load instead. ``root`` may be a URL (``s3://bucket/run``):
     the checkpoint's URL is returned then.
 
+    Args:
+        root: the folder whose subdirectories are checkpoints (``"checkpoints"`` for
+            ``checkpoints/epoch_3``); a missing folder has none.
+
     Example:
         >>> import accelkit as ak
-        >>> ak.latest_checkpoint("checkpoints")  # e.g. PosixPath('checkpoints/step-300')  # doctest: +SKIP
+        >>> ak.latest_checkpoint("checkpoints")  # doctest: +SKIP
+        PosixPath('checkpoints/step-300')
     """
     from . import _manifest
 
@@ -295,6 +319,9 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     ``state_dict()``), and the other processes get an empty dict. Otherwise it is the
     unwrapped model's ``state_dict()``, on every process, without a collective. Accelerate's
     ``accelerator.get_state_dict(model)``.
+
+    Args:
+        model: a prepared model, sharded or not, or a plain one.
 
     Example:
         >>> import accelkit as ak, torch

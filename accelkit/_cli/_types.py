@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from .._options import REFUSED
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low``.
@@ -24,3 +26,16 @@ def int_at_least(low: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def precision(text: str) -> str:
+    """An argparse type for ``--precision``: a value that cannot run yet (fp8) is refused, saying what it needs.
+
+    Example:
+        >>> precision("bf16")
+        'bf16'
+    """
+    why = REFUSED["precision"].get(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from .._options import PRECISIONS
+from ._types import precision
 
 T = TypeVar("T")
 _DEFAULT_PATH = "${XDG_CONFIG_HOME:-~/.config}/accelkit/default_config.yaml"
@@ -32,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Write a config file without questions: one process per GPU, else 2 CPU processes.",
     )
     basic.add_argument("--config-file", metavar="PATH", default=argparse.SUPPRESS, help=where)
-    basic.add_argument("--precision", choices=PRECISIONS, default="no", help="mixed precision (default: no)")
+    basic.add_argument(
+        "--precision", type=precision, choices=PRECISIONS, default="no", help="mixed precision (default: no)"
+    )
     basic.add_argument("--cpu", action="store_true", help="run on CPU even when GPUs are present")
     basic.add_argument("--force", action="store_true", help="replace an existing file")
 

@@ -22,7 +22,7 @@ from .._options import DEFAULT_RDZV_TIMEOUT, DEFAULT_TIMEOUT, PRECISIONS, RDZV_B
 from ..errors import ConfigurationError
 from ._script import Script, print_warnings, read_launch
 from ._sysinfo import timeout_sentence
-from ._types import int_at_least
+from ._types import int_at_least, precision
 
 _EPILOG = """\
 Each setting comes from its flag, else its ACCELKIT_* variable (options for the script),
@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"how long the nodes wait for each other (default: {DEFAULT_RDZV_TIMEOUT:g})",
     )
     opts = parser.add_argument_group("options for the script (ak.state().options)")
-    opts.add_argument("--precision", choices=PRECISIONS, help="default mixed precision (default: no)")
+    opts.add_argument("--precision", type=precision, choices=PRECISIONS, help="default mixed precision (default: no)")
     opts.add_argument(
         "--gradient-accumulation-steps",
         type=int_at_least(1),
@@ -145,7 +145,9 @@ def _accelerate_spellings(parser: argparse.ArgumentParser) -> None:
         ("--config_file", "config_file", str),
     ):
         parser.add_argument(flag, dest=dest, type=kind, default=None, help=hidden)
-    parser.add_argument("--mixed_precision", dest="precision", choices=PRECISIONS, default=None, help=hidden)
+    parser.add_argument(
+        "--mixed_precision", dest="precision", type=precision, choices=PRECISIONS, default=None, help=hidden
+    )
     parser.add_argument("--rdzv_backend", dest="rdzv_backend", choices=RDZV_BACKENDS, default=None, help=hidden)
     parser.add_argument("--use_fsdp", dest="strategy", action="store_const", const="fsdp", default=None, help=hidden)
     parser.add_argument(

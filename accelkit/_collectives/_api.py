@@ -46,9 +46,13 @@ def gather(data: T, *, group: Group = None) -> T:
     entry per process. With one process ``data`` itself is returned. ``group``: the processes
     to gather from (None: all; a torch ``ProcessGroup``; a mesh dimension's name, such as ``"dp"``).
 
+    Args:
+        data: a tensor or a tree of tensors: the same structure, dtypes and shapes on every rank.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
+
     Example:
         >>> import accelkit as ak, torch
-        >>> ak.gather({"loss": torch.tensor(0.5)})  # {'loss': tensor([0.5, 0.7])} on 2 processes
+        >>> ak.gather({"loss": torch.tensor(0.5)})  # 2 processes: tensor([0.5, 0.7])
         {'loss': tensor(0.5000)}
     """
     st = _state.get()
@@ -69,6 +73,11 @@ def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
     floating-point tensors, so convert integers first (``counts.float()``) or sum them.
     ``group``: as for :func:`gather` (a mean divides by the group's size).
 
+    Args:
+        data: a tensor or a tree of tensors: the same structure, dtypes and shapes on every rank.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``; the same on every rank.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
+
     Example:
         >>> import accelkit as ak, torch
         >>> ak.reduce(torch.tensor([1.0, 3.0]), op="sum")  # the sum over processes
@@ -88,6 +97,11 @@ def broadcast(data: T, src: int = 0, *, group: Group = None) -> T:
     Every rank of ``group`` must call it, with the same ``src`` and the same structure, dtypes and
     shapes (the other ranks' values are not used; their inputs are left untouched). ``src`` is a
     global rank (``ak.rank()`` of the sender), in ``group`` (as for :func:`gather`) where one is given.
+
+    Args:
+        data: a tensor or a tree of tensors: the same structure, dtypes and shapes on every rank.
+        src: the global rank whose ``data`` every rank receives.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak, torch
@@ -114,9 +128,16 @@ def pad_across_processes(
     Accelerate, so that one call pads every tensor of a mixed structure that has it.
     ``group``: as for :func:`gather`.
 
+    Args:
+        data: a tensor or a tree of tensors: the same structure and dtypes on every rank.
+        dim: the dimension to pad; tensors without it come back unchanged.
+        pad_index: the value to pad with.
+        pad_first: pad at the start instead of the end.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
+
     Example:
         >>> import accelkit as ak, torch
-        >>> ak.pad_across_processes(torch.ones(2 + ak.rank()))  # [1, 1, 0] on rank 0 of 2
+        >>> ak.pad_across_processes(torch.ones(2 + ak.rank()))  # of 2: [1, 1, 0]
         tensor([1., 1.])
     """
     st = _state.get()
@@ -145,9 +166,13 @@ def gather_object(obj: Any, *, group: Group = None) -> list[Any]:
     Every rank of ``group`` (as for :func:`gather`) must call it. The objects travel pickled; each
     entry is whole, whatever its type (a dict or a string is not split). With one process: ``[obj]``.
 
+    Args:
+        obj: any picklable object.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
+
     Example:
         >>> import accelkit as ak
-        >>> ak.gather_object({"rank": ak.rank()})  # [{'rank': 0}, {'rank': 1}] on 2 processes
+        >>> ak.gather_object({"rank": ak.rank()})  # 2 processes: 2 entries
         [{'rank': 0}]
     """
     st = _state.get()
@@ -167,6 +192,11 @@ def broadcast_object(obj: T, src: int = 0, *, group: Group = None) -> T:
 
     Every rank of ``group`` (as for :func:`gather`) must call it with the same ``src`` (a global
     rank); the other ranks' ``obj`` is ignored (pass ``None``). With one process ``obj`` itself is returned.
+
+    Args:
+        obj: any picklable object on ``src``; ignored on the other ranks (pass ``None``).
+        src: the global rank whose ``obj`` every rank receives.
+        group: the processes it runs over: ``None`` (all), a ``ProcessGroup``, a mesh dimension's name.
 
     Example:
         >>> import accelkit as ak

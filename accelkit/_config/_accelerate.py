@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .._options import PRECISIONS, RDZV_BACKENDS
+from .._options import PRECISIONS, RDZV_BACKENDS, REFUSED
 from ._fields import NO_ALIAS, Fields, json_text
 
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
@@ -125,7 +125,7 @@ def from_accelerate(f: Fields, file: Path) -> tuple[dict[str, object], dict[str,
     launch["rdzv_backend"] = f.choice("rdzv_backend", RDZV_BACKENDS)
     launch["gpu_ids"] = f.gpu_ids("gpu_ids")
 
-    precision = f.choice("mixed_precision", PRECISIONS, NO_ALIAS)
+    precision = f.choice("mixed_precision", PRECISIONS, NO_ALIAS, REFUSED["precision"])
     use_cpu = f.flag("use_cpu")
     state: dict[str, object] = {
         "precision": precision,

@@ -42,7 +42,7 @@ def write_basic_config(
     """Writes a config file for this machine and returns its path.
 
     Args:
-        precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
         config_file: where to write; the default path
             (``${XDG_CONFIG_HOME:-~/.config}/accelkit/default_config.yaml``) when ``None``.
         num_processes: processes per machine; when ``None``, one per GPU (or other accelerator),

@@ -78,13 +78,21 @@ class Fields:
     def text(self, key: str, example: str) -> str | None:
         return self.get(key, (str,), "a string", example)  # type: ignore[no-any-return]
 
-    def choice(self, key: str, choices: Iterable[str], aliases: Mapping[object, str] | None = None) -> str | None:
+    def choice(
+        self,
+        key: str,
+        choices: Iterable[str],
+        aliases: Mapping[object, str] | None = None,
+        refused: Mapping[object, str] | None = None,
+    ) -> str | None:
+        """``key``'s value, one of ``choices``; ``refused``: values that cannot run, and what each needs."""
         choices = tuple(choices)
         value = self.values.get(key)
         value = (aliases or {}).get(value, value) if isinstance(value, (str, bool, int)) else value
         if value is None or value in choices:
             return value
-        hint = suggest(value, choices)[2:] or f"e.g. `{key}: {choices[0]}`"
+        why = (refused or {}).get(value) if isinstance(value, str) else None
+        hint = why or suggest(value, choices)[2:] or f"e.g. `{key}: {choices[0]}`"
         raise self.error(key, f"expected one of {', '.join(map(repr, choices))}, found {value!r}; {hint}")
 
     def gpu_ids(self, key: str) -> str | None:

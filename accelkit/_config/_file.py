@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from .. import _env, _safe_io
-from .._options import COMM_HOOKS, COMM_WRAPPERS, DIST_BACKENDS, PRECISIONS, RDZV_BACKENDS, STRATEGIES, Options
+from .._options import (
+    COMM_HOOKS,
+    COMM_WRAPPERS,
+    DIST_BACKENDS,
+    PRECISIONS,
+    RDZV_BACKENDS,
+    REFUSED,
+    STRATEGIES,
+    Options,
+)
 from .._version import __version__
 from ..errors import ConfigurationError
 from ._fields import FILE_NAMES, LAUNCH_KEYS, NO_ALIAS, Fields
@@ -212,7 +221,7 @@ def _mapping(loader: Any, node: Any, prefix: str, lines: dict[str, int], path: P
 def from_accelkit(f: Fields) -> tuple[dict[str, object], dict[str, object]]:
     f.check_known((*LAUNCH_KEYS, *Options.names()))
     checked: dict[str, object] = {
-        "precision": f.choice("precision", PRECISIONS, NO_ALIAS),
+        "precision": f.choice("precision", PRECISIONS, NO_ALIAS, REFUSED["precision"]),
         "gradient_accumulation_steps": f.integer("gradient_accumulation_steps", 1),
         "sync_each_batch": f.flag("sync_each_batch"),
         "debug": f.flag("debug"),

@@ -158,6 +158,10 @@ def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[
     are not loaded. Later iterations are whole epochs again; ``len(loader)`` is unchanged.
     The prepared loader itself is returned (and changed).
 
+    Args:
+        loader: a prepared dataloader.
+        num_batches: how many batches of its epoch to skip.
+
     Example:
         >>> import accelkit as ak, torch
         >>> loader = ak.prepare(torch.utils.data.DataLoader(range(6), batch_size=2))
@@ -194,9 +198,15 @@ def gather_for_metrics(data: Any, use_gather_object: bool = False) -> Any:
     over an epoch equal the dataset length. Uneven last batches are gathered whole.
     With one process ``data`` itself is returned.
 
+    Args:
+        data: a tensor or a tree of them, as :func:`gather` takes it; any picklable objects with
+            ``use_gather_object``.
+        use_gather_object: gather with :func:`gather_object` (lists of strings, ragged tensors) and
+            flatten the ranks' lists into one.
+
     Example:
         >>> import accelkit as ak, torch
-        >>> ak.gather_for_metrics(torch.tensor([1, 2]))  # every rank's samples, padding dropped
+        >>> ak.gather_for_metrics(torch.tensor([1, 2]))  # the padding dropped
         tensor([1, 2])
     """
     st = _state.get()

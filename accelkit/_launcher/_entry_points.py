@@ -52,6 +52,12 @@ def distributed(fn: Any = None, /, **options: Any) -> Any:
     config file, else one process per GPU (one on a CPU-only machine).
     Call it under ``if __name__ == "__main__":`` (workers import the main module).
 
+    Args:
+        fn: the function to run; or the number of processes per node (``@ak.distributed(2)``).
+        **options: ``num_processes`` (per node), the launch settings (``num_nodes``, ``node_rank``,
+            ``master_addr``, ``master_port``, ``max_restarts``, ``start_method``) and the state options
+            of :func:`init` (``precision``, ``cpu``, ...), each checked when the function is called.
+
     Example:
         >>> import accelkit as ak
         >>> @ak.distributed(num_processes=2, cpu=True)
@@ -96,6 +102,12 @@ def launch(
     cannot use either. A world-size-1 accelkit state is simply reset. In debug mode
     (``debug=True`` or ``ACCELKIT_DEBUG=1``) a dry launch with the same options first
     checks that the workers start, form their process group and meet at a barrier.
+
+    Args:
+        fn: the function to run in every process.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        **options: those of :func:`distributed` (``num_processes``, ``precision``, ...).
 
     Example:
         >>> import accelkit as ak

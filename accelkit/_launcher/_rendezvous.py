@@ -177,7 +177,11 @@ def _check_in(store: Any, config: LaunchSettings, where: str, run_id: str, deadl
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``addr`` now (for a store another process will host)."""
+    """A TCP port that is free on ``addr`` now (for a store another process will host).
+
+    Args:
+        addr: the address to bind.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return int(s.getsockname()[1])

@@ -65,6 +65,14 @@ def init(**options: Unpack[InitOptions]) -> ProcessState:
     calls, ``@ak.distributed(precision=...)`` and ``ak.init(precision=...)``, or code and an
     ``accelkit launch`` flag) are an error naming both. The same options again are a no-op.
 
+    Args:
+        **options: the state options, each a keyword: ``precision``, ``gradient_accumulation_steps``,
+            ``sync_each_batch``, ``cpu``, ``debug``, ``check_collectives``, ``backend``, ``timeout``;
+            ``strategy`` with ``fsdp_*`` or ``deepspeed_config``; the mesh's ``dp_replicate``,
+            ``dp_shard``, ``tp``; ``activation_checkpointing``, ``comm_hook*``, ``log_with``,
+            ``project_dir``; and a launch's ``num_processes``, ``num_nodes``, ``node_rank``,
+            ``master_addr``, ``master_port``. The Launching guide's table says what each does.
+
     Example:
         >>> import accelkit as ak
         >>> ak.init(precision="bf16").options.precision

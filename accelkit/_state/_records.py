@@ -24,6 +24,25 @@ class ProcessState:
     An immutable record: ``dataclasses.replace(st, name=value)`` makes a changed copy. ``pid``,
     ``hardware``, ``strategy``, ``sources`` and ``origins`` take no part in its equality, hash and repr.
 
+    Attributes:
+        rank: the global rank (``ak.rank()``).
+        world_size: the number of processes in the job.
+        local_rank: the rank on this node.
+        local_world_size: the number of processes on this node.
+        node_rank: this node's rank.
+        num_nodes: the number of nodes.
+        device: the device this process computes on.
+        backend: the process group's backend (``"gloo"``, ``"nccl"``, ...).
+        options: the resolved options (``options.precision``, ``options.gradient_accumulation_steps``).
+        launcher: what started this process: ``"torchrun"``, ``"env"``, ``"openmpi"``, ``"pmi"``,
+            ``"slurm"`` or ``"none"``.
+        restart_count: how many times the elastic agent restarted the job so far.
+        pid: the process that made the state (a forked child does not use its parent's).
+        hardware: the device backend in use.
+        strategy: the training strategy in use (``ak.strategy()`` names it).
+        sources: for each option, the layer it came from (code, ``ACCELKIT_*``, config file, default).
+        origins: for each option set in code, the call that set it.
+
     Example:
         >>> import accelkit as ak
         >>> ak.state().world_size

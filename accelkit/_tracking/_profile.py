@@ -48,22 +48,29 @@ def profile(
 ) -> Iterator[torch.profiler.profile]:
     """Profile the body with ``torch.profiler`` on every rank (Accelerate's ``accelerator.profile()``).
 
-    The knobs are Accelerate's ``ProfileKwargs``: ``activities`` (``"cpu"``, ``"cuda"``, ``"xpu"``,
-    ``"mtia"``, ``"hpu"``; default: the CPU and the device), ``schedule_option`` (``wait``,
-    ``warmup``, ``active``, ``repeat``, ``skip_first`` steps of ``torch.profiler.schedule``:
-    call ``prof.step()`` once per training step), ``on_trace_ready``, ``record_shapes``,
-    ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``. Each rank writes its
-    Chrome trace to ``output_trace_dir/rank<N>.pt.trace.json``, by default under
-    ``<project_dir>/profile/`` (``chrome://tracing``, Perfetto, or TensorBoard's profiler plugin
-    read it): of the whole block, or with a schedule of the last whole recorded window (the
-    window the block's end cuts short counts only when no other was recorded);
-    ``on_trace_ready`` is called for every window, as by torch. On leaving the block the main
-    process prints nothing unless asked, as Accelerate's does (its examples print
-    ``prof.key_averages().table(...)`` themselves): ``row_limit=N`` prints that window's N most
-    expensive ops sorted by ``sort_by`` (default: self device time when a device was profiled,
-    else self CPU time). The ranks then wait for each other, so that every trace exists afterwards. When the body raises
-    the trace is still written, with no table and no wait. A schedule whose active window never
-    came warns and writes nothing. A later profile overwrites the traces.
+    The knobs are Accelerate's ``ProfileKwargs``. Each rank writes its Chrome trace to
+    ``output_trace_dir/rank<N>.pt.trace.json`` (``chrome://tracing``, Perfetto, or TensorBoard's
+    profiler plugin read it): of the whole block, or with a schedule of the last whole recorded
+    window (the window the block's end cuts short counts only when no other was recorded). On
+    leaving the block the main process prints nothing unless asked (``row_limit``), as
+    Accelerate's does; the ranks then wait for each other, so that every trace exists afterwards.
+    When the body raises the trace is still written, with no table and no wait. A schedule whose
+    active window never came warns and writes nothing. A later profile overwrites the traces.
+
+    Args:
+        activities: ``"cpu"``, ``"cuda"``, ``"xpu"``, ``"mtia"``, ``"hpu"`` (or torch's
+            ``ProfilerActivity``); ``None``: the CPU and the device.
+        schedule_option: ``wait``, ``warmup``, ``active``, ``repeat``, ``skip_first`` steps of
+            ``torch.profiler.schedule``; call ``prof.step()`` once per training step.
+        on_trace_ready: called with the profiler for every window, as by torch.
+        record_shapes: record the operators' input shapes.
+        profile_memory: record the tensors' memory.
+        with_stack: record the Python stack of each operator.
+        with_flops: estimate the FLOPs of matrix products and convolutions.
+        with_modules: record the module hierarchy.
+        output_trace_dir: where the traces go; ``None``: ``<project_dir>/profile/``.
+        row_limit: the main process prints the window's N most expensive operators (0: nothing).
+        sort_by: their order; ``None``: self device time when a device was profiled, else self CPU time.
 
     Example:
         >>> import accelkit as ak, tempfile, torch

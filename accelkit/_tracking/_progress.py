@@ -73,6 +73,10 @@ def progress(iterable: Iterable[T], **tqdm_kwargs: Any) -> ProgressBar[T]:
     ``total`` comes from ``len(iterable)`` when it has one. Without tqdm installed every rank gets
     the loop without a bar, and one warning saying ``pip install tqdm``.
 
+    Args:
+        iterable: what to loop over.
+        **tqdm_kwargs: tqdm's options (``desc``, ``total``, ``disable``, ...).
+
     Example:
         >>> import accelkit as ak
         >>> sum(ak.progress(range(4), desc="demo", disable=True))

@@ -61,18 +61,24 @@ def init_trackers(
 ) -> Trackers:
     """Start one run per tracker under ``project_dir/project_name/``, on the main process only.
 
-    Call it on every rank (no rank waits for another). ``log_with`` (``"tensorboard"``, ``"csv"``,
-    ``"jsonl"``, ``"wandb"``, ``"mlflow"``, a list of them, or ``"all"`` installed ones) and
-    ``project_dir`` (default ``./runs``) default to the options: ``ak.init(log_with=...)``,
-    ``ACCELKIT_LOG_WITH``, the config file, ``accelkit launch --log-with``. ``config`` (a dict,
-    dataclass or ``argparse.Namespace``) is recorded as the run's hyper-parameters;
-    ``init_kwargs={"wandb": {...}}`` go to each tracker's library. Files of an earlier run with
-    the same project name are continued, not replaced: the CSV and JSONL trackers number the runs
-    (a ``run`` column, 1, 2, ...; a job restarted by ``max_restarts`` keeps its run).
+    Call it on every rank (no rank waits for another). ``log_with`` and ``project_dir`` default to
+    the options (``ak.init(log_with=...)``, ``ACCELKIT_LOG_WITH``, the config file, ``accelkit launch
+    --log-with``). Files of an earlier run with the same project name are continued, not replaced:
+    the CSV and JSONL trackers number the runs (a ``run`` column, 1, 2, ...; a job restarted by
+    ``max_restarts`` keeps its run).
+
+    Args:
+        project_name: the run's folder under ``project_dir`` (and the W&B or MLflow project).
+        config: the run's hyper-parameters: a dict, a dataclass or an ``argparse.Namespace``.
+        log_with: ``"tensorboard"``, ``"csv"``, ``"jsonl"``, ``"wandb"``, ``"mlflow"``, a list of them,
+            or ``"all"`` (the installed ones); ``None``: the ``log_with`` option.
+        project_dir: where runs go; ``None``: the ``project_dir`` option, else ``./runs``.
+        init_kwargs: keyword arguments for each tracker's library (``{"wandb": {"entity": "me"}}``).
 
     Example:
         >>> import tempfile, accelkit as ak
-        >>> with ak.init_trackers("demo", {"lr": 0.1}, log_with="csv", project_dir=tempfile.mkdtemp()) as run:
+        >>> hp, out = {"lr": 0.1}, tempfile.mkdtemp()
+        >>> with ak.init_trackers("demo", hp, log_with="csv", project_dir=out) as run:
         ...     ak.log({"loss": 0.5}, step=0)
         >>> (run.directory / "metrics.csv").read_text().splitlines()
         ['run,step,loss', '1,0,0.5']
@@ -115,15 +121,19 @@ def init_trackers(
 def log(values: Mapping[str, Any], step: int | None = None) -> None:
     """Record numbers with every running tracker, on the main process; other ranks return at once.
 
-    ``values`` holds numbers, one-element tensors and nested dicts (``{"eval": {"acc": a}}`` is
-    logged as ``eval/acc``). ``step`` defaults to one more than the last step logged (0 at first).
-    A ``"step"`` key in ``values`` (as Accelerate's scripts log it) is the step: equal to ``step=``,
-    or in its place; a different value is an error.
+    Nested dicts are flattened (``{"eval": {"acc": a}}`` is logged as ``eval/acc``). A ``"step"`` key
+    in ``values`` (as Accelerate's scripts log it) is the step: equal to ``step=``, or in its place;
+    a different value is an error.
     Before ``ak.init_trackers`` (or after ``ak.end_training``) it is an error on the main process.
+
+    Args:
+        values: numbers, one-element tensors, and nested dicts of them.
+        step: the row's step; ``None``: one more than the last step logged (0 at first).
 
     Example:
         >>> import tempfile, accelkit as ak
-        >>> with ak.init_trackers("demo", log_with="jsonl", project_dir=tempfile.mkdtemp()) as run:
+        >>> out = tempfile.mkdtemp()
+        >>> with ak.init_trackers("demo", log_with="jsonl", project_dir=out) as run:
         ...     ak.log({"loss": 0.5, "eval": {"acc": 1}})
         >>> (run.directory / "metrics.jsonl").read_text()
         '{"run": 1, "step": 0, "loss": 0.5, "eval/acc": 1}\\n'
@@ -148,9 +158,14 @@ def get_tracker(name: str) -> Any:
     """The running tracker's own object: TensorBoard's ``SummaryWriter``, the W&B run, the MLflow
     ``ActiveRun``, the CSV or JSONL file's path. ``None`` on other ranks than the main process.
 
+    Args:
+        name: one of the running trackers: ``"tensorboard"``, ``"csv"``, ``"jsonl"``, ``"wandb"``,
+            ``"mlflow"``.
+
     Example:
         >>> import tempfile, accelkit as ak
-        >>> with ak.init_trackers("demo", log_with="csv", project_dir=tempfile.mkdtemp()):
+        >>> out = tempfile.mkdtemp()
+        >>> with ak.init_trackers("demo", log_with="csv", project_dir=out):
         ...     ak.get_tracker("csv").name
         'metrics.csv'
     """

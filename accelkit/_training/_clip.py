@@ -24,6 +24,11 @@ def clip_grad_norm_(
     Under FSDP the norm is that of the full gradients, computed across the shards on every
     rank (so every rank must call it), and returned as a plain tensor.
 
+    Args:
+        parameters: the parameters whose gradients are clipped (``model.parameters()``), or one tensor.
+        max_norm: the largest total norm allowed.
+        norm_type: the norm's order; ``float("inf")`` for the largest absolute value.
+
     Example:
         >>> import accelkit as ak, torch
         >>> w = torch.nn.Parameter(torch.ones(4)); w.grad = torch.full((4,), 2.0)
@@ -94,6 +99,10 @@ def _sharded_norm(grads: list[Any], norm_type: float) -> torch.Tensor:
 
 def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
     """Clamp every gradient to ``[-clip_value, clip_value]`` (fp16 gradients unscaled first).
+
+    Args:
+        parameters: the parameters whose gradients are clamped (``model.parameters()``), or one tensor.
+        clip_value: the largest absolute value allowed.
 
     Example:
         >>> import accelkit as ak, torch

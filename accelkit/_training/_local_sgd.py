@@ -75,6 +75,11 @@ def local_sgd(model: nn.Module, *, steps: int, enabled: bool = True) -> Iterator
     Every rank must call ``sync.step()`` equally often. With one process (or
     ``enabled=False``) nothing is averaged and gradients sync as usual.
 
+    Args:
+        model: the prepared model.
+        steps: optimizer steps between two averages of the parameters.
+        enabled: ``False``: plain training (gradients sync as usual, nothing is averaged).
+
     Example:
         >>> import accelkit as ak, torch
         >>> model = torch.nn.Linear(2, 1)

@@ -28,6 +28,10 @@ def precision(mode: str | None = None) -> Precision:
     The object can be kept and entered again, also inside itself, as a ``torch.autocast``
     (``ctx = ak.precision("bf16")``, then ``with ctx:`` wherever needed), and decorates functions.
 
+    Args:
+        mode: ``"no"`` (fp32), ``"fp16"``, ``"bf16"``; ``None``: the configured precision, read at
+            each entry.
+
     Example:
         >>> import accelkit as ak, torch
         >>> ctx = ak.precision("bf16")
@@ -78,16 +82,16 @@ _OPTIONS: dict[tuple[str, str], dict[str, Any]] = {}  # autocast's arguments per
 
 def autocast_options(mode: str, device_type: str) -> dict[str, Any]:
     """``torch.autocast``'s keyword arguments for ``mode`` on ``device_type`` (validated)."""
-    _check_mode(mode)
     if mode == "fp8":
         raise ValueError(f"accelkit.precision('fp8') is not available here: {_fp8_missing(device_type)}")
+    _check_mode(mode)
     if mode == "no":
         return {"enabled": False}
     return {"dtype": PRECISION_DTYPES[mode]}
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in PRECISIONS:
+    if mode not in PRECISIONS and mode != "fp8":  # fp8 is refused where it is entered, saying what is missing
         valid = ", ".join(PRECISIONS)
         raise ConfigurationError(
             f"accelkit.precision({mode!r}): unknown mode; valid modes: {valid}{suggest(mode, PRECISIONS)}"

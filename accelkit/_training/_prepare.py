@@ -51,41 +51,57 @@ def prepare(*objects: Any, **options: Any) -> tuple[Any, ...]: ...
 def prepare(*objects: Any, **options: Any) -> Any:
     """Make each object ready for this process; returns them in the same order.
 
-    - ``nn.Module``: moved to ``ak.device()``, wrapped in DDP when several processes run
-      (DDP options such as ``find_unused_parameters=True`` pass through), forward under the
-      configured precision. With ``strategy="fsdp"`` it is sharded in place with FSDP2's
-      ``fully_shard`` instead (units from ``fsdp_wrap`` / ``fsdp_min_params``, then the root;
-      the DDP options are ignored); with one process it runs unsharded.
-    - ``tp_plan`` (with the mesh's ``tp`` > 1): module-name patterns (``"blocks.*.mlp.up"``) to torch's
-      ``ParallelStyle`` objects (``ColwiseParallel()``, ...; or transformers' names ``"colwise"``, ``"rowwise"``),
-      a callable ``(model, tp_mesh) -> model``, or ``"auto"`` (the plan a transformers model carries);
-      applied on the ``tp`` dimension, then FSDP2 over the data-parallel ones. Checked everywhere,
-      ignored without tensor parallelism (one process runs the same script).
-      ``activation_checkpointing=("Block",)``: those modules' activations are recomputed in backward.
-    - optimizer: steps only on real steps, through the fp16 grad scaler. Under FSDP its
-      param groups are pointed at the sharded parameters (same groups, same hyper-parameters),
-      so build it before or after ``prepare``, as you like, but prepare it before it steps.
-    - LR scheduler: steps once per real optimizer step.
-    - ``DataLoader``: this rank's shard, batches on the device. Options: ``even_batches=True``
-      (every rank gets as many batches; the padding is dropped by ``ak.gather_for_metrics``),
-      ``split_batches=False`` (True: the loader's ``batch_size`` is the global batch, split between
-      the ranks), ``data_seed=None`` (a fixed seed for the shuffle order).
-    - ``comm_hook``: DDP's gradient communication hook, ``"fp16"`` / ``"bf16"`` (gradients
-      compressed to that dtype for the all-reduce), ``"power_sgd"`` / ``"batched_power_sgd"``
-      (low-rank approximations; ``comm_hook_options={"matrix_approximation_rank": 2, ...}`` are
-      ``PowerSGDState``'s), or your own ``hook(state, bucket)`` with ``comm_hook_state=``;
-      ``comm_wrapper="fp16"`` / ``"bf16"`` compresses a PowerSGD (or your) hook's input. The
-      default comes from ``ak.init(comm_hook=...)``; one process and FSDP have no DDP (FSDP refuses a hook).
-    - ``join_uneven_inputs=True`` (with ``even_batches=False``, loaders whose ranks get different
-      numbers of batches): the loaders of this call iterate inside PyTorch's ``Join`` with the
-      DDP models of this call, so a rank that runs out of batches first shadows the others'
-      gradient all-reduces instead of leaving them waiting.
+    - ``nn.Module``: moved to ``ak.device()``, wrapped in DDP when several processes run, its
+      forward under the configured precision. With ``strategy="fsdp"`` it is sharded in place with
+      FSDP2's ``fully_shard`` instead (units from ``fsdp_wrap`` / ``fsdp_min_params``, then the
+      root); on a mesh with ``tp`` > 1, ``tp_plan`` splits its layers first. With one process it
+      runs unsharded.
+    - optimizer: steps only on real steps, through the fp16 grad scaler. Under FSDP its param
+      groups are pointed at the sharded parameters (same groups, same hyper-parameters), so build
+      it before or after ``prepare``, as you like, but prepare it before it steps.
+    - LR scheduler: steps once per real optimizer step (size it from the prepared loader).
+    - ``DataLoader``: this rank's shard of each epoch, its batches on the device.
 
     With ``strategy="deepspeed"`` the model, its optimizer and scheduler go through one
     ``deepspeed.initialize`` instead (``pip install "accelkit[deepspeed]"``); the model
     comes back as the DeepSpeed engine.
 
     One object in, that object out (not a 1-tuple). Preparing twice is harmless.
+
+    Args:
+        *objects: models, optimizers, LR schedulers and dataloaders, in any order.
+        **options: for the objects of their kind, below.
+
+    Other Parameters:
+        even_batches (bool): loaders (default ``True``): every rank gets as many batches; the last
+            global batch is completed from the epoch's start, and ``ak.gather_for_metrics`` drops the
+            padding.
+        split_batches (bool): loaders (default ``False``): the loader's ``batch_size`` is the global
+            batch, split between the ranks.
+        data_seed (int | None): loaders: a fixed seed for the shuffle order (epoch ``e``:
+            ``data_seed + e``).
+        find_unused_parameters (bool): DDP models: passed to ``DistributedDataParallel``, as are the
+            next four (under FSDP they are ignored).
+        broadcast_buffers (bool): DDP's.
+        static_graph (bool): DDP's.
+        gradient_as_bucket_view (bool): DDP's.
+        bucket_cap_mb (float): DDP's.
+        tp_plan (dict | Callable | str): models, with the mesh's ``tp`` > 1: module-name patterns
+            (``"blocks.*.mlp.up"``) to torch's ``ParallelStyle`` objects (``ColwiseParallel()``, ...)
+            or transformers' names (``"colwise"``, ``"rowwise"``), a callable
+            ``(model, tp_mesh) -> model``, or ``"auto"`` (the plan a transformers model carries).
+            Ignored without tensor parallelism.
+        activation_checkpointing (Sequence[str | type]): models: these modules' activations are
+            recomputed in backward (``("Block",)``).
+        comm_hook (str | Callable): DDP models: the gradient communication hook, ``"fp16"`` / ``"bf16"``
+            (compressed all-reduce), ``"power_sgd"`` / ``"batched_power_sgd"`` (low rank), or your own
+            ``hook(state, bucket)``; the default is ``ak.init(comm_hook=...)``'s.
+        comm_hook_options (dict): ``PowerSGDState``'s options (``{"matrix_approximation_rank": 2}``).
+        comm_hook_state (Any): your own hook's state.
+        comm_wrapper (str): ``"fp16"`` / ``"bf16"``: compresses a PowerSGD (or your) hook's input.
+        join_uneven_inputs (bool): with ``even_batches=False``: the loaders of this call iterate inside
+            PyTorch's ``Join`` with its DDP models, so a rank that runs out of batches first shadows the
+            others' gradient all-reduces instead of leaving them waiting.
 
     Example:
         >>> import accelkit as ak, torch

@@ -33,6 +33,10 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     ``gradient_accumulation_steps`` > 1 configured, nothing is divided (Accelerate's
     ``accelerator.backward`` would divide): a warning, once, says so and names ``ak.accumulate``.
 
+    Args:
+        loss: the loss to differentiate.
+        **kwargs: passed on to ``loss.backward`` (``retain_graph=True``, ...).
+
     Example:
         >>> import accelkit as ak, torch
         >>> w = torch.ones(2, requires_grad=True)
@@ -104,15 +108,19 @@ class accumulate(contextlib.ContextDecorator):
 
     Gradients are synchronised across processes (and the prepared optimizer and scheduler
     really step) only on every ``steps``-th call and on the last batch of a prepared
-    dataloader. ``steps`` defaults to the configured ``gradient_accumulation_steps``. With the
-    ``sync_each_batch`` option the gradients are synchronised on every micro-step too (less
-    memory under FSDP, more communication); the optimizer still steps on the boundary only.
+    dataloader. With the ``sync_each_batch`` option the gradients are synchronised on every
+    micro-step too (less memory under FSDP, more communication); the optimizer still steps on the
+    boundary only.
 
     One ``ak.backward`` per region: a loop of micro-steps puts each in its own region, and
     clipping and ``optimizer.step()`` may follow the loop (after the ``steps``-th region,
     ``ak.sync_gradients()`` is True). Several ``ak.backward`` calls in one region with
     ``steps`` left at 1 warn once (pass ``steps=1`` when several losses per step are meant).
     A class, as ``torch.no_grad``: it runs on every step, and a function around it would cost a call.
+
+    Args:
+        *models: the prepared models whose gradients accumulate.
+        steps: micro-steps per optimizer step; ``None``: the configured ``gradient_accumulation_steps``.
 
     Example:
         >>> import accelkit as ak, torch
@@ -252,6 +260,9 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
 
     Under FSDP2 the body's backward keeps unsharded, unreduced gradients until the region ends.
 
+    Args:
+        model: the prepared model.
+
     Example:
         >>> import accelkit as ak, torch
         >>> with ak.no_sync(torch.nn.Linear(2, 1)):
@@ -284,8 +295,10 @@ class _Reentrant:
 def unwrap(model: nn.Module, keep_precision: bool = False) -> nn.Module:
     """The user's module, as it was, without the prepared wrappers (precision, DDP, DeepSpeed, ``torch.compile``).
 
-    With ``keep_precision=True`` (Accelerate's ``keep_fp32_wrapper``) the module comes back
-    still running its forward in the prepared precision, with fp32 outputs, when it had one.
+    Args:
+        model: a prepared model (or any module: it comes back as it is).
+        keep_precision: keep the forward in the prepared precision, with fp32 outputs (Accelerate's
+            ``keep_fp32_wrapper``).
 
     Example:
         >>> import accelkit as ak, torch
