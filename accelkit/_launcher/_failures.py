@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .._group import Position
-from .._rundir import Spot, read_failures, stacks_of, where_it_was
+from .._rundir import Spot, read_failures, stacks_of, where_each_was, where_it_was
 from ..errors import WorkerError, WorkerFailure
 
 __all__ = ["RestartNotice", "collect_failures", "report_stop"]
@@ -33,7 +33,7 @@ def collect_failures(
         if rank not in reports and getattr(seen, "pid", None) in by_pid:
             reports[rank] = {**by_pid[seen.pid], "rank": rank}
     failures = []
-    spots: dict[int, Spot] = {}
+    spots = where_each_was(run_dir)  # every rank that left stacks; a rank's own record, below, comes first
     for rank in sorted(set(reports) | set(agent_failures)):
         seen = agent_failures.get(rank)
         report = reports.get(rank, {})

@@ -11,7 +11,7 @@ Torch-free, and below every package that records a failure (the heartbeat, backg
 
 from ._records import exception_name, lost_peer, read_failures, record_failure
 from ._spot import Spot, spot_of, spot_of_dump
-from ._stacks import record_stacks, stacks_of, where_it_was
+from ._stacks import record_stacks, stacks_of, where_each_was, where_it_was
 
 __all__ = [
     "Spot",
@@ -23,5 +23,6 @@ __all__ = [
     "spot_of",
     "spot_of_dump",
     "stacks_of",
+    "where_each_was",
     "where_it_was",
 ]

@@ -14,9 +14,10 @@ from typing import Any
 
 from ._spot import Spot, spot_of_dump
 
-__all__ = ["record_stacks", "stacks_of", "where_it_was"]
+__all__ = ["record_stacks", "stacks_of", "where_each_was", "where_it_was"]
 
 _FOLDER = "crashes"
+_RANK = "rank "  # the first line of a file: the rank whose stacks follow
 _LINES = 80  # of the Python stacks a signal left: the crashing thread's come first
 _file: Any = None  # open for as long as the process lives: faulthandler writes to its descriptor
 
@@ -36,6 +37,8 @@ def record_stacks(run_dir: str) -> None:
     folder = os.path.join(run_dir, _FOLDER)
     os.makedirs(folder, exist_ok=True)
     _file = open(os.path.join(folder, f"{os.getpid()}.txt"), "w")
+    _file.write(f"{_RANK}{os.environ.get('RANK', '')}\n\n")  # whose stacks (the launcher set RANK)
+    _file.flush()
     faulthandler.enable(_file, all_threads=True)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a handler of the program's own stays alone
         faulthandler.register(signal.SIGTERM, _file, all_threads=True, chain=True)
@@ -47,7 +50,7 @@ def _blocks(run_dir: str, pid: int | None) -> list[str]:
             text = f.read()
     except OSError:
         return []
-    return [b for b in text.strip().split("\n\n") if b and not b.startswith("Extension modules:")]
+    return [b for b in text.strip().split("\n\n") if b and not b.startswith(("Extension modules:", _RANK))]
 
 
 def stacks_of(run_dir: str, pid: int | None, main_only: bool = False) -> str:
@@ -58,6 +61,25 @@ def stacks_of(run_dir: str, pid: int | None, main_only: bool = False) -> str:
     if main_only:
         blocks = [b for b in blocks if " in <module>" in b][:1]
     return "\n".join("\n\n".join(blocks).splitlines()[:_LINES])
+
+
+def where_each_was(run_dir: str) -> dict[int, Spot]:
+    """Where each rank that left stacks was (its main thread), by rank: those the launcher stopped with SIGTERM
+    too, which some torch versions' agents do not list among the failures."""
+    found: dict[int, Spot] = {}
+    folder = os.path.join(run_dir, _FOLDER)
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        pid = name.removesuffix(".txt")
+        try:
+            with open(os.path.join(folder, name)) as f:
+                head = f.readline().strip()
+        except OSError:
+            continue
+        rank = head.removeprefix(_RANK)
+        spot = where_it_was(run_dir, int(pid)) if head.startswith(_RANK) and rank.isdigit() and pid.isdigit() else None
+        if spot is not None:
+            found[int(rank)] = spot
+    return found
 
 
 def where_it_was(run_dir: str, pid: int | None) -> Spot | None:
