@@ -45,7 +45,7 @@ def clip_grad_norm_(
     strategy.unscale()
     norm = _total_norm(params, norm_type)
     for same_mesh in _by_mesh(params):  # torch's foreach multiply takes the DTensors of one mesh at a time
-        torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, norm)
+        _clip_with_norm(same_mesh, max_norm, norm)
     return norm
 
 
@@ -63,17 +63,17 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _total_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist yet
-        return torch.nn.utils.get_total_norm(grads, norm_type)
+        return _norm_of(grads, norm_type)
     from torch.distributed.tensor import DTensor
 
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    parts = [torch.nn.utils.get_total_norm(plain, norm_type)] if plain else []
+    parts = [_norm_of(plain, norm_type)] if plain else []
     groups: dict[tuple[int, Any], list[DTensor]] = {}
     for g in grads:
         if isinstance(g, DTensor):
             groups.setdefault((id(g.device_mesh), g.placements), []).append(g)
     parts.extend(_sharded_norm(group, norm_type) for group in groups.values())
-    return torch.nn.utils.get_total_norm(parts, norm_type)  # the norm of the parts' norms
+    return _norm_of(parts, norm_type)  # the norm of the parts' norms
 
 
 def _sharded_norm(grads: list[Any], norm_type: float) -> torch.Tensor:
@@ -85,7 +85,7 @@ def _sharded_norm(grads: list[Any], norm_type: float) -> torch.Tensor:
     import torch.distributed as dist
 
     local = [t for t in (g.to_local() for g in grads) if t.numel()]
-    norm = torch.nn.utils.get_total_norm(local, norm_type) if local else grads[0].to_local().new_zeros(())
+    norm = _norm_of(local, norm_type) if local else grads[0].to_local().new_zeros(())
     norm = norm.float()
     power = norm if norm_type in (0, math.inf) else norm**norm_type
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
@@ -95,6 +95,32 @@ def _sharded_norm(grads: list[Any], norm_type: float) -> torch.Tensor:
         if not (placement.is_replicate() or placement.is_partial()):
             dist.all_reduce(power, op=op, group=mesh.get_group(dim))
     return power if norm_type in (0, math.inf) else power ** (1.0 / norm_type)
+
+
+# torch's own from 2.6 on (get_total_norm, clip_grads_with_norm_); before, the same computation written here.
+_TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)
+_CLIP_WITH_NORM = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+
+
+def _norm_of(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of ``tensors`` seen as one vector (``torch.nn.utils.get_total_norm``)."""
+    if _TOTAL_NORM is not None:
+        return _TOTAL_NORM(tensors, norm_type)  # type: ignore[no-any-return]
+    if not tensors:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+
+
+def _clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale ``params``' gradients by ``max_norm / norm`` where that is below 1 (``clip_grads_with_norm_``)."""
+    if _CLIP_WITH_NORM is not None:
+        _CLIP_WITH_NORM(params, max_norm, norm)
+        return
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.device))
 
 
 def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
