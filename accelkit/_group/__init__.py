@@ -5,7 +5,7 @@ through the process group itself, so it still works when a collective is stuck o
 """
 
 from ._board import LATEST_BOARD, Position, describe_missing, post_report, read_positions, read_reports
-from ._form import adopt, destroy, destroy_before_exit, form, reform, start_upkeep
+from ._form import adopt, destroy, destroy_and_release, form, reform, start_upkeep
 from ._handshake import handshake, job_facts
 from ._heartbeat import NOT_WAITING, PASSES_THAT_WAIT, Heartbeat, Waiting, wait_log_interval
 from ._meet import DDP_SYNCING, MAY_SYNC, SYNCING, meet
@@ -23,7 +23,7 @@ __all__ = [
     "adopt",
     "describe_missing",
     "destroy",
-    "destroy_before_exit",
+    "destroy_and_release",
     "form",
     "handshake",
     "job_facts",

@@ -12,7 +12,7 @@ from ._board import LATEST_BOARD
 from ._handshake import handshake, job_facts
 from ._heartbeat import Heartbeat, wait_log_interval
 
-__all__ = ["adopt", "destroy", "destroy_before_exit", "form", "reform", "start_upkeep"]
+__all__ = ["adopt", "destroy", "destroy_and_release", "form", "reform", "start_upkeep"]
 
 
 def form(
@@ -145,11 +145,23 @@ def destroy() -> Any:
 
     _torch_private.unpin_from_defaults(default)  # torch.distributed.nn.functional's defaults would keep it alive
     dist.destroy_process_group()
+    time.sleep(_SETTLE_S)  # the GIL free for the backend's worker threads to finish with their last calls
     return default
 
 
-def destroy_before_exit(strategy: Any, models: list[Any]) -> None:
-    """At interpreter exit, before Python tears itself down: every group destroyed, and collected.
+# A gloo worker thread drops a finished call's tensors after the caller's wait returned, and from torch's
+# PyObject preservation on (a tensor a C++ object also holds keeps its Python object alive: 2.10 and later)
+# dropping any tensor that has a Python object takes the GIL. The group's destructor joins those threads
+# holding the GIL: were one of them still dropping its last call's tensors (descheduled on a busy machine),
+# both would wait for ever. The group is destroyed here, after the threads had the GIL free this long.
+_SETTLE_S = 0.02
+
+
+def destroy_and_release(strategy: Any, models: list[Any]) -> None:
+    """Every group destroyed, the models ``strategy`` prepared let go of it, and collected: when accelkit
+    ends its group (``ak.end_training``, ``ak.reset_state``), and at interpreter exit, before Python tears
+    itself down. The group's destructor runs here, after :func:`destroy` let the backend's threads settle,
+    not when the script later drops a DDP model.
 
     A gloo group that outlives the atexit hooks is torn down during the interpreter's finalization:
     its worker threads exit then, and one that takes the GIL on its way out is killed by Python,

@@ -237,7 +237,8 @@ def close_group(reason: str) -> None:
 def _destroy_group() -> None:
     from .. import _group
 
-    _group.destroy()
+    st = this_process.state
+    _group.destroy_and_release(st.strategy if st is not None else None, list(training.models))
 
 
 def register_process_hooks(distributed: bool) -> None:
@@ -250,11 +251,11 @@ def register_process_hooks(distributed: bool) -> None:
 
 def _at_exit() -> None:
     # A gloo group alive at interpreter exit can abort the process after a run that succeeded:
-    # see _group.destroy_before_exit. Also a group the user created: nothing can use it after exit.
+    # see _group.destroy_and_release. Also a group the user created: nothing can use it after exit.
     from .. import _group
 
     st = current()
     models = list(training.models) if st is not None else []
     stop_upkeep(getattr(sys, "last_value", None))  # an exception that ended the script, if one did
     reset_state()
-    _group.destroy_before_exit(st.strategy if st is not None else None, models)
+    _group.destroy_and_release(st.strategy if st is not None else None, models)

@@ -109,7 +109,8 @@ def _norm_of(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if not tensors:
         return torch.tensor(0.0)
     norms = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    return total
 
 
 def _clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
