@@ -56,6 +56,8 @@ def gather(data: T, *, group: Group = None) -> T:
         {'loss': tensor(0.5000)}
     """
     st = _state.get()
+    if isinstance(data, torch.Tensor) and (again := _again(st, "gather", None, data, group)) is not None:
+        return again  # type: ignore[return-value]
     found = _tensors(st, "gather", {}, data, group)
     if found is None:
         return data
@@ -84,6 +86,8 @@ def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
         tensor([1., 3.])
     """
     st = _state.get()
+    if isinstance(data, torch.Tensor) and (again := _again(st, "reduce", op, data, group)) is not None:
+        return again  # type: ignore[return-value]
     found = _tensors(st, "reduce", {"op": op}, data, group, _REDUCE_CHECKS.get(op) or _reduce_check(op))
     if found is None:
         return data
@@ -109,6 +113,8 @@ def broadcast(data: T, src: int = 0, *, group: Group = None) -> T:
         tensor([0, 1, 2])
     """
     st = _state.get()
+    if isinstance(data, torch.Tensor) and (again := _again(st, "broadcast", src, data, group)) is not None:
+        return again  # type: ignore[return-value]
     found = _tensors(st, "broadcast", {"src": src}, data, group, src=src)
     if found is None:
         return data
@@ -258,6 +264,22 @@ def compare_calls(st: ProcessState, ch: Channel, op: str, params: dict[str, Any]
     """Debug mode: check with the other ranks of the channel's group that they make this same call (``_debug``)."""
     with _communication(st, op):
         _debug.check(st.device, ch.group, ch.ranks, op, params, *args, **kwargs)
+
+
+def _again(st: ProcessState, op: str, param: Any, x: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """The result of a call of the one tensor ``x`` that repeats the call planned at its channel's point, run again
+    as it is (``_checked.again``: nothing described anew); None for any other call (the caller describes it)."""
+    channels = _state.group.channels
+    ch = channels.repeating(st, group) if channels is not None else None
+    if ch is None:
+        return None
+    point = ch.plans.get(ch.key)
+    plan = point.plan if point is not None else None
+    if plan is None or plan.bare != (op, param, x.dtype, x.shape):
+        return None
+    if channels.unsettled:
+        settle(st)
+    return _checked.again(st, ch, point, plan, x)
 
 
 def _tensors(

@@ -19,7 +19,7 @@ import torch
 from . import _check, _exchange
 from ._channel import Channel
 from ._plan import Plan
-from ._signature import Call
+from ._signature import Signature
 from ._wire import Group, Verdict
 
 __all__ = ["GATHER", "REDUCE", "TAIL_BYTES", "Broadcast", "Gather", "Mover", "Reduce", "planned"]
@@ -40,8 +40,8 @@ class Reduce:
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.reduce(leaves, self.op, ch.size, ch.group)
 
-    def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        return ch.wire.reduce(self.op, self.groups(leaves), leaves, call.token, ch.group, ch.size)
+    def tail(self, ch: Channel, leaves: list[torch.Tensor], sig: Signature, seq: int, token: int) -> Moved:
+        return ch.wire.reduce(self.op, self.groups(leaves), leaves, token, ch.group, ch.size)
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
         """Unless the first group's dtype cannot count the ranks exactly (bfloat16 beyond 256 ranks, float16
@@ -76,8 +76,8 @@ class Gather:
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.gather(leaves, ch.size, ch.group)
 
-    def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        return ch.wire.gather(leaves, call.sig.header(call.seq), ch.group, ch.size)
+    def tail(self, ch: Channel, leaves: list[torch.Tensor], sig: Signature, seq: int, token: int) -> Moved:
+        return ch.wire.gather(leaves, sig.header(seq), ch.group, ch.size)
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
         """Up to :data:`TAIL_BYTES` per rank, where the wire holds the message: the results are copied out of it
@@ -98,10 +98,8 @@ class Broadcast:
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.broadcast(leaves, self.src, ch.me, ch.group)
 
-    def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        out, verdict, self.seen = ch.wire.broadcast(
-            leaves, call.sig.header(call.seq), self.src, ch.me == self.src, ch.group
-        )
+    def tail(self, ch: Channel, leaves: list[torch.Tensor], sig: Signature, seq: int, token: int) -> Moved:
+        out, verdict, self.seen = ch.wire.broadcast(leaves, sig.header(seq), self.src, ch.me == self.src, ch.group)
         return out, verdict
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
