@@ -376,3 +376,34 @@ def test_a_broadcast_run_again_that_one_rank_changes_raises_on_every_rank(
     # (On the device wire a receiver reads it at its next collective and closes the group: the source, which sends
     # its own call meanwhile, fails quoting the receiver's table.)
     assert pool.run(ak.world_size) == [2, 2]
+
+
+def dataclass_inputs_are_let_go() -> list[bool]:
+    """A dataclass's tensors after a collective of it returned, the caller dropped them and the next collective
+    began: gone (the structure of the call is remembered, for the next call like it, without the instance it was
+    read from)."""
+    import dataclasses
+    import gc
+    import weakref
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: list[torch.Tensor]
+
+    gone = []
+    for op in (ak.gather, ak.reduce, ak.broadcast):
+        batch = Batch(torch.ones(3), [torch.zeros(2)])
+        watched = weakref.ref(batch.x)
+        out = op(batch)
+        assert type(out) is Batch and out.x is not batch.x
+        del batch, out
+        ak.wait_for_everyone()  # (a backend call's tensors are let go as the next collective begins)
+        gc.collect()
+        gone.append(watched() is None)
+    return gone
+
+
+@pytest.mark.distributed
+def test_the_tensors_of_a_dataclass_are_not_kept_by_a_collective(pool: WorkerPool) -> None:
+    assert pool.run(dataclass_inputs_are_let_go) == [[True] * 3] * 2

@@ -30,12 +30,12 @@ Moved = tuple[list[torch.Tensor], Verdict]
 
 
 class Reduce:
-    __slots__ = ("alone", "key", "op")
+    __slots__ = ("key", "made", "op")
 
     def __init__(self, op: str) -> None:
         self.op = op
         self.key: tuple[str, Any] = ("reduce", op)
-        self.alone: dict[torch.dtype, list[Group]] = {}  # the groups of one leaf, by its dtype
+        self.made: dict[Any, list[Group]] = {}  # the groups of the leaves' dtypes (one leaf's: by its dtype)
 
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.reduce(leaves, self.op, ch.size, ch.group)
@@ -53,15 +53,16 @@ class Reduce:
         """The leaves by the dtype and operation they are reduced with (the first leaf's first), in order: a dtype
         the backends cannot reduce in a wider one, booleans as bytes (sum and max: their or; product and min:
         their and), a mean as a sum."""
-        if len(leaves) == 1:
-            found = self.alone.get(leaves[0].dtype)
-            if found is None:
-                found = self.alone[leaves[0].dtype] = [(*self.way(leaves[0].dtype), [0])]
-            return found
-        groups: dict[tuple[torch.dtype, str], list[int]] = {}
-        for i, x in enumerate(leaves):
-            groups.setdefault(self.way(x.dtype), []).append(i)
-        return [(dtype, wire, members) for (dtype, wire), members in groups.items()]
+        key: Any = leaves[0].dtype if len(leaves) == 1 else tuple([x.dtype for x in leaves])
+        found = self.made.get(key)
+        if found is None:
+            if len(self.made) >= 256:
+                self.made.clear()
+            groups: dict[tuple[torch.dtype, str], list[int]] = {}
+            for i, x in enumerate(leaves):
+                groups.setdefault(self.way(x.dtype), []).append(i)
+            found = self.made[key] = [(dtype, wire, members) for (dtype, wire), members in groups.items()]
+        return found
 
     def way(self, dtype: torch.dtype) -> tuple[torch.dtype, str]:
         if dtype == torch.bool:
