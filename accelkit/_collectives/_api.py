@@ -21,6 +21,7 @@ from .._options import is_int, suggest
 from .._state import ProcessState
 from . import _checked, _debug, _exchange, _signature
 from ._channel import Channel, channel, check_alone, describe
+from ._checked import settle
 from ._movers import GATHER, REDUCE, Broadcast, Mover
 from ._scope import collective as _collective
 from ._scope import communication as _communication
@@ -56,7 +57,7 @@ def gather(data: T, *, group: Group = None) -> T:
         {'loss': tensor(0.5000)}
     """
     st = _state.get()
-    if isinstance(data, torch.Tensor) and (again := _again(st, "gather", None, data, group)) is not None:
+    if (again := _checked.again(st, "gather", None, data, group)) is not None:
         return again  # type: ignore[return-value]
     found = _tensors(st, "gather", {}, data, group)
     if found is None:
@@ -86,7 +87,7 @@ def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
         tensor([1., 3.])
     """
     st = _state.get()
-    if isinstance(data, torch.Tensor) and (again := _again(st, "reduce", op, data, group)) is not None:
+    if (again := _checked.again(st, "reduce", op, data, group)) is not None:
         return again  # type: ignore[return-value]
     found = _tensors(st, "reduce", {"op": op}, data, group, _REDUCE_CHECKS.get(op) or _reduce_check(op))
     if found is None:
@@ -113,7 +114,7 @@ def broadcast(data: T, src: int = 0, *, group: Group = None) -> T:
         tensor([0, 1, 2])
     """
     st = _state.get()
-    if isinstance(data, torch.Tensor) and (again := _again(st, "broadcast", src, data, group)) is not None:
+    if (again := _checked.again(st, "broadcast", src, data, group)) is not None:
         return again  # type: ignore[return-value]
     found = _tensors(st, "broadcast", {"src": src}, data, group, src=src)
     if found is None:
@@ -242,14 +243,6 @@ def barrier(st: ProcessState) -> None:
         _checked.barrier(st, ch, call)
 
 
-def settle(st: ProcessState) -> None:
-    """Raise now what the last collectives' verdicts left on their way from the device found, if anything."""
-    found = _state.group.channels
-    if found is not None and found.unsettled:
-        with _communication(st, "the last collective"):
-            _checked.settle(st)
-
-
 def any_rank(st: ProcessState, op: str, flag: bool) -> bool:
     """Whether ``flag`` is set on any rank (``check_breakpoint``), checked like every collective."""
     ch = channel(st)
@@ -264,22 +257,6 @@ def compare_calls(st: ProcessState, ch: Channel, op: str, params: dict[str, Any]
     """Debug mode: check with the other ranks of the channel's group that they make this same call (``_debug``)."""
     with _communication(st, op):
         _debug.check(st.device, ch.group, ch.ranks, op, params, *args, **kwargs)
-
-
-def _again(st: ProcessState, op: str, param: Any, x: torch.Tensor, group: Group) -> torch.Tensor | None:
-    """The result of a call of the one tensor ``x`` that repeats the call planned at its channel's point, run again
-    as it is (``_checked.again``: nothing described anew); None for any other call (the caller describes it)."""
-    channels = _state.group.channels
-    ch = channels.repeating(st, group) if channels is not None else None
-    if ch is None:
-        return None
-    point = ch.plans.get(ch.key)
-    plan = point.plan if point is not None else None
-    if plan is None or plan.bare != (op, param, x.dtype, x.shape):
-        return None
-    if channels.unsettled:
-        settle(st)
-    return _checked.again(st, ch, point, plan, x)
 
 
 def _tensors(
@@ -349,8 +326,7 @@ def _run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> Any:
     if not st.options.check_collectives:
         with _collective(st, ch, call):
             return mover.data(ch, call.data)
-    if _state.group.channels.unsettled:
-        settle(st)
+    settle(st)
     with _collective(st, ch, call):
         return _checked.run(st, ch, call, mover)
 

@@ -16,6 +16,8 @@ rank's next collective instead of now (:func:`settle`): the host never waits for
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import _state
@@ -59,13 +61,27 @@ def run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> list[torch.T
     return _judged(st, ch, call, mover, moving, point, plan, fits, out, verdict)
 
 
-def again(st: ProcessState, ch: Channel, point: Point, plan: Plan, x: torch.Tensor) -> torch.Tensor:
-    """The result of a call of the one tensor ``x`` that is ``plan``'s bare call (``plan.bare``), the plan of the
-    channel's point: :func:`run`'s planned call that fits, without a :class:`Call` unless the verdict needs one.
+def again(st: ProcessState, op: str, param: Any, x: Any, group: Any) -> torch.Tensor | None:
+    """The result of ``op`` of the one tensor ``x`` where it repeats the call planned at its channel's point (the
+    plan's bare call: operation, argument, dtype, shape), run as :func:`run` runs a planned call that fits, without
+    a :class:`Call` unless the verdict needs one; None for any other call (the caller describes it).
 
     Most collectives of a loop repeat the call made at their point the step before: this is their path. A
     disagreement raises (the call is valid: it made the plan).
     """
+    channels = _state.group.channels
+    ch = channels.repeating(st, group) if channels is not None and isinstance(x, torch.Tensor) else None
+    if ch is None:
+        return None
+    point = ch.plans.get(ch.key)
+    plan = point.plan if point is not None else None
+    if plan is None or plan.bare != (op, param, x.dtype, x.shape):
+        return None
+    settle(st)
+    return _again(st, ch, point, plan, x)
+
+
+def _again(st: ProcessState, ch: Channel, point: Point, plan: Plan, x: torch.Tensor) -> torch.Tensor:
     sig = plan.sig
     mover = planned(plan.mover)
     seq, token = _scope.begin(st, ch, sig)
@@ -130,9 +146,16 @@ def barrier(st: ProcessState, ch: Channel, call: Call) -> None:
 
 
 def settle(st: ProcessState) -> None:
-    """Read the verdicts left on their way from the device, in call order; raise if the ranks of a group differed."""
+    """Raise now what the last collectives' verdicts left on their way from the device found, if anything."""
     found: Channels | None = _state.group.channels
-    while found is not None and found.unsettled:
+    if found is not None and found.unsettled:
+        with _scope.communication(st, "the last collective"):
+            _settle(st, found)
+
+
+def _settle(st: ProcessState, found: Channels) -> None:
+    """Read the verdicts left on their way from the device, in call order; raise if the ranks of a group differed."""
+    while found.unsettled:
         ch = found.unsettled.pop(0)
         pending, ch.pending = ch.pending, None
         if pending is None or pending.read():
