@@ -22,7 +22,8 @@ import torch
 
 T = TypeVar("T")
 
-__all__ = ["TreeSpec", "apply_to_tensors", "describe", "flatten", "leaf_paths", "map_tensors", "signature", "unflatten"]
+__all__ = ["TreeSpec", "apply_to_tensors", "describe", "flatten", "leaf_paths", "map_tensors", "signature", "structure",
+           "unflatten"]  # fmt: skip
 
 
 class TreeSpec(NamedTuple):
@@ -32,7 +33,7 @@ class TreeSpec(NamedTuple):
     type: type | None = None
     keys: tuple[Any, ...] = ()  # mapping keys / field names, in flatten order
     children: tuple[TreeSpec, ...] = ()
-    template: Any = None  # mapping: its keys in their original order; dataclass: the instance
+    template: Any = None  # mapping: its keys in their original order; dataclass: the instance (_Instance)
 
     @property
     def num_leaves(self) -> int:
@@ -52,38 +53,108 @@ def flatten(data: Any, call: str, root: str = "data") -> tuple[list[torch.Tensor
     if isinstance(data, torch.Tensor):  # the common case, kept cheap
         return [data], LEAF
     leaves: list[torch.Tensor] = []
-    return leaves, _flatten(data, leaves, call, root)
+    try:
+        return leaves, _flatten(data, leaves)
+    except _NotATensor:  # the walk again, naming the paths this time (only a failing call pays for them)
+        path, bad = _first_not_a_tensor(data, root)
+        raise TypeError(
+            f"{call}: {path} is {type(bad).__name__} {bad!r:.80}, not a tensor. Pass a tensor or a "
+            f"list/tuple/dict/namedtuple/dataclass of tensors (convert numbers with torch.tensor(...)); "
+            f"for arbitrary Python objects use accelkit.gather_object or accelkit.broadcast_object."
+        ) from None
 
 
-def _flatten(x: Any, leaves: list[torch.Tensor], call: str, path: str) -> TreeSpec:
+class _NotATensor(Exception):
+    pass
+
+
+def _flatten(x: Any, leaves: list[torch.Tensor]) -> TreeSpec:
+    kind = type(x)
+    if kind is dict:  # the common containers first, by their type alone (an isinstance of Mapping is slow)
+        return _mapping(x, kind, leaves)
     if isinstance(x, torch.Tensor):
         leaves.append(x)
         return LEAF
-    if isinstance(x, (list, tuple)):
-        fields = getattr(type(x), "_fields", None)
-        if fields is not None:  # a namedtuple: name the field in paths
-            children = tuple(_flatten(v, leaves, call, f"{path}.{f}") for f, v in zip(fields, x, strict=True))
-            return TreeSpec("namedtuple", type(x), children=children)
-        children = tuple(_flatten(v, leaves, call, f"{path}[{i}]") for i, v in enumerate(x))
-        return TreeSpec("list" if isinstance(x, list) else "tuple", type(x), children=children)
+    if kind is list or kind is tuple or isinstance(x, (list, tuple)):
+        children = tuple([_flatten(v, leaves) for v in x])
+        if kind is list or kind is tuple:
+            return TreeSpec("list" if kind is list else "tuple", kind, children=children)
+        if getattr(kind, "_fields", None) is not None:  # a namedtuple
+            return TreeSpec("namedtuple", kind, children=children)
+        return TreeSpec("list" if isinstance(x, list) else "tuple", kind, children=children)
     if isinstance(x, Mapping):
-        order = tuple(x)
-        try:
-            keys = tuple(sorted(order))
-        except TypeError:  # keys of mixed types: keep the mapping's own order
-            keys = order
-        children = tuple(_flatten(x[k], leaves, call, f"{path}[{k!r}]") for k in keys)
-        template = (order, x.default_factory) if isinstance(x, defaultdict) else (order,)
-        return TreeSpec("mapping", type(x), keys, children, template)
+        return _mapping(x, kind, leaves)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         names = tuple(f.name for f in dataclasses.fields(x) if f.init)
-        children = tuple(_flatten(getattr(x, n), leaves, call, f"{path}.{n}") for n in names)
-        return TreeSpec("dataclass", type(x), names, children, x)
-    raise TypeError(
-        f"{call}: {path} is {type(x).__name__} {x!r:.80}, not a tensor. Pass a tensor or a "
-        f"list/tuple/dict/namedtuple/dataclass of tensors (convert numbers with torch.tensor(...)); "
-        f"for arbitrary Python objects use accelkit.gather_object or accelkit.broadcast_object."
-    )
+        children = tuple([_flatten(getattr(x, n), leaves) for n in names])
+        return TreeSpec("dataclass", kind, names, children, _Instance(x))
+    raise _NotATensor
+
+
+class _Instance:
+    """A dataclass instance as its spec's template: equal to any instance of the same class (the tree's structure
+    is in the spec's fields and children), so that every spec is hashable and compares as its structure does."""
+
+    __slots__ = ("cls", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.cls, self.value = type(value), value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Instance) and other.cls is self.cls
+
+    def __hash__(self) -> int:
+        return hash(self.cls)
+
+
+def structure(spec: TreeSpec) -> TreeSpec:
+    """``spec`` as a key to keep: equal to it, without the dataclass instances it was made from (their tensors)."""
+    if spec.kind == "leaf":
+        return spec
+    children = tuple([structure(c) for c in spec.children])
+    template = spec.template
+    if spec.kind == "dataclass":
+        template = _Instance.__new__(_Instance)
+        template.cls, template.value = spec.template.cls, None
+    elif all(mine is theirs for mine, theirs in zip(children, spec.children, strict=True)):
+        return spec
+    return spec._replace(children=children, template=template)
+
+
+def _mapping(x: Mapping[Any, Any], kind: type, leaves: list[torch.Tensor]) -> TreeSpec:
+    order = tuple(x)
+    try:
+        keys = tuple(sorted(order))
+    except TypeError:  # keys of mixed types: keep the mapping's own order
+        keys = order
+    children = tuple([_flatten(x[k], leaves) for k in keys])
+    template = (order, x.default_factory) if isinstance(x, defaultdict) else (order,)
+    return TreeSpec("mapping", kind, keys, children, template)
+
+
+def _first_not_a_tensor(x: Any, path: str) -> tuple[str, Any]:
+    """The path of the first leaf of ``x`` that is no tensor, in :func:`flatten`'s order, and that leaf."""
+    if isinstance(x, torch.Tensor):
+        return "", None
+    if isinstance(x, (list, tuple)):
+        fields = getattr(type(x), "_fields", None)
+        parts = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(x))]
+        children = list(zip(parts, x, strict=False))
+    elif isinstance(x, Mapping):
+        try:
+            keys: Any = sorted(x)
+        except TypeError:
+            keys = list(x)
+        children = [(f"[{k!r}]", x[k]) for k in keys]
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        children = [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x) if f.init]
+    else:
+        return path, x
+    for part, child in children:
+        found = _first_not_a_tensor(child, path + part)
+        if found[0]:
+            return found
+    return "", None
 
 
 def unflatten(spec: TreeSpec, leaves: list[torch.Tensor]) -> Any:
@@ -95,21 +166,24 @@ def unflatten(spec: TreeSpec, leaves: list[torch.Tensor]) -> Any:
 
 
 def _build(spec: TreeSpec, it: Any) -> Any:
-    if spec.kind == "leaf":
+    kind = spec.kind
+    if kind == "leaf":
         return next(it)
-    values = [_build(c, it) for c in spec.children]
+    values = [next(it) if c is LEAF else _build(c, it) for c in spec.children]
     cls: Any = spec.type
-    if spec.kind == "namedtuple":
-        return cls(*values)
-    if spec.kind in ("list", "tuple"):
-        return values if cls is list else tuple(values) if cls is tuple else cls(values)
-    if spec.kind == "mapping":
-        by_key = dict(zip(spec.keys, values, strict=True))
-        items = {k: by_key[k] for k in spec.template[0]}
+    if kind == "mapping":
+        keys, order = spec.keys, spec.template[0]
+        items = dict(zip(keys, values, strict=True))
+        if keys != order:  # the user's own order of keys
+            items = {k: items[k] for k in order}
         if cls is dict:
             return items
         return cls(spec.template[1], items) if len(spec.template) > 1 else cls(items)
-    return dataclasses.replace(spec.template, **dict(zip(spec.keys, values, strict=True)))
+    if kind == "namedtuple":
+        return cls(*values)
+    if kind in ("list", "tuple"):
+        return values if cls is list else tuple(values) if cls is tuple else cls(values)
+    return dataclasses.replace(spec.template.value, **dict(zip(spec.keys, values, strict=True)))
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], data: T, call: str) -> T:

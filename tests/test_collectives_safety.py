@@ -280,3 +280,130 @@ def test_check_collectives_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("ACCELKIT_CHECK_COLLECTIVES", "maybe")
     with pytest.raises(ak.ConfigurationError, match="ACCELKIT_CHECK_COLLECTIVES"):
         ak.state()
+
+
+def _over(wire: str) -> Any:
+    """The channels anew, over the ``wire`` given (the device wire here on the CPU, each verdict read at the next
+    collective), alike on every rank."""
+    from accelkit import _state
+    from accelkit._collectives import _channel, _device
+
+    st = ak.state()
+    assert st.hardware is not None
+    channels = _state.group.channels = _channel.Channels(st)
+    if wire == "device":
+
+        def later(flag: torch.Tensor) -> Any:
+            value = bool(flag)
+            return lambda: value
+
+        channels.wire = channels.world.wire = _device.DeviceWire(st.device, later, st.hardware.to_device)
+    return channels
+
+
+CHANGES = {  # a call repeated at its point, then made otherwise by rank 1, and what its table says
+    "reduce shape": (lambda r: ak.reduce(torch.ones(4 + 4 * r)), ["  - Process 0: float32 [4]",
+                                                                   "  - Process 1: float32 [8]"]),
+    "reduce op": (lambda r: ak.reduce(torch.ones(4), op=("sum", "max")[r]),
+                  ["the processes passed different arguments", "  - Process 1: accelkit.reduce(op='max') float32 [4]"]),
+    "gather dtype": (lambda r: ak.gather(torch.ones(4, dtype=(torch.float32, torch.float64)[r])),
+                     ["  - Process 0: float32 [4]", "  - Process 1: float64 [4]"]),
+}  # fmt: skip
+
+
+def repeated_then_changed(case: str, wire: str) -> list[Any]:
+    """In a worker: a call made three times alike (the later ones run again as planned, nothing described anew),
+    then otherwise on rank 1; the table, where each rank raised it, and the calls after it."""
+    from accelkit import _state
+
+    call = CHANGES[case][0]
+    _over(wire)
+    try:
+        for _ in range(3):
+            call(0)
+        try:
+            call(ak.rank())
+            ak.wait_for_everyone()  # (on the device wire the verdict is read here)
+            caught = "nothing"
+        except ak.DistributedOperationError as exc:
+            caught = str(exc)
+        return [caught, ak.reduce(torch.ones(2)).tolist(), ak.reduce(torch.ones(2)).tolist()]
+    finally:
+        _state.group.channels = None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("wire", ["host", "device"])
+@pytest.mark.parametrize("case", sorted(CHANGES))
+def test_a_call_run_again_that_one_rank_changes_raises_the_table_on_every_rank(
+    pool: WorkerPool, case: str, wire: str
+) -> None:
+    for rank, (caught, after, again) in enumerate(pool.run(repeated_then_changed, case, wire)):
+        for line in CHANGES[case][1]:
+            assert line in caught, f"rank {rank}: {line!r} not in\n{caught}"
+        assert after == again == [2.0, 2.0]
+
+
+def broadcast_repeated_then_changed(changes: int, wire: str) -> Any:
+    """A broadcast made three times alike, then of another shape on rank ``changes`` (the source or a receiver);
+    the receiver finds it, and the source hears of it at its next collective."""
+    _over(wire)
+    for _ in range(3):
+        ak.broadcast(torch.ones(1, 5))
+    ak.broadcast(torch.ones((1, 5) if ak.rank() != changes else (1, 2, 5)))
+    return ak.gather(torch.zeros(1))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("wire", ["host", "device"])
+@pytest.mark.parametrize("changes", [0, 1], ids=["source", "receiver"])
+def test_a_broadcast_run_again_that_one_rank_changes_raises_on_every_rank(
+    pool: WorkerPool, changes: int, wire: str
+) -> None:
+    with pytest.raises(ak.WorkerError) as info:
+        pool.run(broadcast_repeated_then_changed, changes, wire, task_timeout=60)
+    failures = {f.rank: f for f in info.value.failures}
+    assert sorted(failures) == [0, 1], info.value
+    table = ["Cannot apply accelkit.broadcast: the inputs differ across processes.", "float32 [1, 5]",
+             "float32 [1, 2, 5]"]  # fmt: skip
+    for rank, failure in failures.items():
+        assert failure.exc_type == "accelkit.errors.DistributedOperationError", failure.message
+        assert all(line in failure.message for line in table), f"rank {rank}:\n{failure.message}"
+    if changes == 1:  # the source went on unaware: it hears of it at its next collective
+        assert failures[0].message.startswith("accelkit.gather #"), failures[0].message
+    elif wire == "host":  # every receiver sees that the source sent another call than planned: both compare at once
+        assert failures[0].message.startswith("Cannot apply accelkit.broadcast"), failures[0].message
+    # (On the device wire a receiver reads it at its next collective and closes the group: the source, which sends
+    # its own call meanwhile, fails quoting the receiver's table.)
+    assert pool.run(ak.world_size) == [2, 2]
+
+
+def dataclass_inputs_are_let_go() -> list[bool]:
+    """A dataclass's tensors after a collective of it returned, the caller dropped them and the next collective
+    began: gone (the structure of the call is remembered, for the next call like it, without the instance it was
+    read from)."""
+    import dataclasses
+    import gc
+    import weakref
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: list[torch.Tensor]
+
+    gone = []
+    for op in (ak.gather, ak.reduce, ak.broadcast):
+        batch = Batch(torch.ones(3), [torch.zeros(2)])
+        watched = weakref.ref(batch.x)
+        out = op(batch)
+        assert type(out) is Batch and out.x is not batch.x
+        del batch, out
+        ak.wait_for_everyone()  # (a backend call's tensors are let go as the next collective begins)
+        gc.collect()
+        gone.append(watched() is None)
+    return gone
+
+
+@pytest.mark.distributed
+def test_the_tensors_of_a_dataclass_are_not_kept_by_a_collective(pool: WorkerPool) -> None:
+    assert pool.run(dataclass_inputs_are_let_go) == [[True] * 3] * 2

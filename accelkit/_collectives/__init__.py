@@ -12,8 +12,8 @@ from ._api import (
     gather_object,
     pad_across_processes,
     reduce,
-    settle,
 )
+from ._checked import settle
 from ._exchange import exchange_objects
 
 __all__ = ["REDUCE_OPS", "Group", "ReduceOp", "any_rank", "barrier", "broadcast", "broadcast_object",

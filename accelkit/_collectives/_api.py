@@ -21,6 +21,7 @@ from .._options import is_int, suggest
 from .._state import ProcessState
 from . import _checked, _debug, _exchange, _signature
 from ._channel import Channel, channel, check_alone, describe
+from ._checked import settle
 from ._movers import GATHER, REDUCE, Broadcast, Mover
 from ._scope import collective as _collective
 from ._scope import communication as _communication
@@ -56,6 +57,8 @@ def gather(data: T, *, group: Group = None) -> T:
         {'loss': tensor(0.5000)}
     """
     st = _state.get()
+    if (again := _checked.again(st, "gather", None, data, group)) is not None:
+        return again  # type: ignore[return-value]
     found = _tensors(st, "gather", {}, data, group)
     if found is None:
         return data
@@ -84,6 +87,8 @@ def reduce(data: T, op: ReduceOp = "sum", *, group: Group = None) -> T:
         tensor([1., 3.])
     """
     st = _state.get()
+    if (again := _checked.again(st, "reduce", op, data, group)) is not None:
+        return again  # type: ignore[return-value]
     found = _tensors(st, "reduce", {"op": op}, data, group, _REDUCE_CHECKS.get(op) or _reduce_check(op))
     if found is None:
         return data
@@ -109,6 +114,8 @@ def broadcast(data: T, src: int = 0, *, group: Group = None) -> T:
         tensor([0, 1, 2])
     """
     st = _state.get()
+    if (again := _checked.again(st, "broadcast", src, data, group)) is not None:
+        return again  # type: ignore[return-value]
     found = _tensors(st, "broadcast", {"src": src}, data, group, src=src)
     if found is None:
         return data
@@ -236,14 +243,6 @@ def barrier(st: ProcessState) -> None:
         _checked.barrier(st, ch, call)
 
 
-def settle(st: ProcessState) -> None:
-    """Raise now what the last collectives' verdicts left on their way from the device found, if anything."""
-    found = _state.group.channels
-    if found is not None and found.unsettled:
-        with _communication(st, "the last collective"):
-            _checked.settle(st)
-
-
 def any_rank(st: ProcessState, op: str, flag: bool) -> bool:
     """Whether ``flag`` is set on any rank (``check_breakpoint``), checked like every collective."""
     ch = channel(st)
@@ -327,8 +326,7 @@ def _run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> Any:
     if not st.options.check_collectives:
         with _collective(st, ch, call):
             return mover.data(ch, call.data)
-    if _state.group.channels.unsettled:
-        settle(st)
+    settle(st)
     with _collective(st, ch, call):
         return _checked.run(st, ch, call, mover)
 

@@ -68,13 +68,33 @@ class Channels:
     """Every channel of this process's group: the world's, each sub-group's (by its ProcessGroup, weakly: a
     group the user drops goes with its channel), and those whose verdict is on its way, in call order."""
 
-    __slots__ = ("groups", "unsettled", "wire", "world")
+    __slots__ = ("again", "groups", "named", "unsettled", "wire", "world")
 
     def __init__(self, st: ProcessState) -> None:
         self.wire = choose_wire(st)
         self.world = Channel(None, tuple(range(st.world_size)), st.rank, self.wire, st.device)
         self.groups: weakref.WeakKeyDictionary[Any, Channel] = weakref.WeakKeyDictionary()
         self.unsettled: list[Channel] = []
+        # The state whose options let a bare call run again as planned (checked, not in debug mode), and the
+        # channels of the mesh dimensions' names under it; None: not known yet, or not allowed.
+        self.again: ProcessState | None = None
+        self.named: dict[str, Channel] = {}
+
+    def repeating(self, st: ProcessState, group: Any) -> Channel | None:
+        """The channel of ``group`` where a call may run again as its point planned it under ``st``; else None."""
+        if self.again is not st:
+            self.named.clear()
+            self.again = st if st.options.check_collectives and not st.options.debug else None
+            if self.again is None:
+                return None
+        if group is None:
+            return self.world
+        if isinstance(group, str):
+            found = self.named.get(group)
+            if found is None:
+                found = self.named[group] = channel(st, group)
+            return found
+        return self.groups.get(group) if isinstance(group, dist.ProcessGroup) else None
 
 
 def choose_wire(st: ProcessState) -> Wire:

@@ -48,9 +48,11 @@ def bits_bytes(token: int, dtype: torch.dtype, with_complements: bool, times: in
     every rank finds after a sum of ``times`` ranks' bits (or, with complements and ``times`` 1, after their max,
     min or product) exactly when they all sent this token."""
     key = (dtype, with_complements, times)
-    tables = _ROW_BYTES.get(key) or _row_bytes(key)
-    token_bytes = token.to_bytes(8, "little")
-    return b"".join(map(tables[0].__getitem__, token_bytes)), b"".join(map(tables[1].__getitem__, token_bytes))
+    t, u = _ROW_BYTES.get(key) or _row_bytes(key)
+    # Each of the 8 bytes looked up by name, without a loop or map: a third of the instructions.
+    a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
+    return (b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h])),
+            b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])))  # fmt: skip
 
 
 def check_tensor(token: int, device: torch.device) -> torch.Tensor:

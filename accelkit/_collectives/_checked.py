@@ -16,16 +16,23 @@ rank's next collective instead of now (:func:`settle`): the host never waits for
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import _state
 from .._state import ProcessState
-from . import _mismatch, _plan
+from .._tree import LEAF
+from . import _exchange, _mismatch, _plan, _scope
 from ._channel import Channel, Channels, Pending
 from ._movers import Broadcast, Mover, planned
+from ._plan import Plan, Point
 from ._signature import Call
+from ._wire import Verdict
 
-__all__ = ["barrier", "run", "settle"]
+__all__ = ["again", "barrier", "run", "settle"]
+
+_BARE = ("gather", "reduce", "broadcast")  # the operations whose call of one tensor moves that tensor
 
 
 def run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> list[torch.Tensor] | None:
@@ -46,16 +53,73 @@ def run(st: ProcessState, ch: Channel, call: Call, mover: Mover) -> list[torch.T
     moving = mover if fits else planned(plan.mover)
     data = call.data if fits else plan.dummies(ch.device)
     if plan.tail:
-        out, verdict = moving.tail(ch, data, call)
-        if isinstance(moving, Broadcast) and moving.source_missed(ch, plan, fits):
-            # Every rank knows that the source made another call than planned: compare the calls both ways.
-            if ch.wire.check(call.token, ch.group, ch.size):
-                return _agreed(ch, call, mover, key)
-            return _disagree(st, ch, call, None)
+        out, verdict = moving.tail(ch, data, call.sig, call.seq, call.token)
     else:
         begun = ch.wire.start_check(call.token, ch.group)
         out = moving.data(ch, data)
         verdict = ch.wire.end_check(begun, call.token, ch.size)
+    return _judged(st, ch, call, mover, moving, point, plan, fits, out, verdict)
+
+
+def again(st: ProcessState, op: str, param: Any, x: Any, group: Any) -> torch.Tensor | None:
+    """The result of ``op`` of the one tensor ``x`` where it repeats the call planned at its channel's point (the
+    plan's bare call: operation, argument, dtype, shape), run as :func:`run` runs a planned call that fits, without
+    a :class:`Call` unless the verdict needs one; None for any other call (the caller describes it).
+
+    Most collectives of a loop repeat the call made at their point the step before: this is their path. A
+    disagreement raises (the call is valid: it made the plan).
+    """
+    channels = _state.group.channels
+    ch = channels.repeating(st, group) if channels is not None and isinstance(x, torch.Tensor) else None
+    if ch is None:
+        return None
+    point = ch.plans.get(ch.key)
+    plan = point.plan if point is not None else None
+    if plan is None or plan.bare != (op, param, x.dtype, x.shape):
+        return None
+    settle(st)
+    return _again(st, ch, point, plan, x)
+
+
+def _again(st: ProcessState, ch: Channel, point: Point, plan: Plan, x: torch.Tensor) -> torch.Tensor:
+    sig = plan.sig
+    mover = planned(plan.mover)
+    seq, token = _scope.begin(st, ch, sig)
+    try:
+        out, verdict = mover.tail(ch, [x], sig, seq, token)
+        if verdict is True:
+            ch.key = sig.fingerprint
+            point.agreed(sig.fingerprint)
+            result = out[0]
+        else:  # a verdict to read later, or a disagreement: judged as run() judges it, with the call described
+            op, param = plan.bare[:2]  # type: ignore[index]
+            call = Call(sig, [x], {_PARAMS[op]: param} if op in _PARAMS else {}, LEAF)
+            call.seq, call.token = seq, token
+            result = _judged(st, ch, call, mover, mover, point, plan, True, out, verdict)[0]  # type: ignore[index]
+    except BaseException as exc:
+        _scope.end(ch)
+        if isinstance(exc, _exchange.CommunicationError):
+            _scope.failed(sig.op, st, exc, ch)
+        raise
+    _scope.end(ch)
+    return result
+
+
+_PARAMS = {"reduce": "op", "broadcast": "src"}  # the argument of a bare call, by operation (gather has none)
+
+
+def _judged(
+    st: ProcessState, ch: Channel, call: Call, mover: Mover, moving: Mover, point: Point, plan: Plan, fits: bool,
+    out: list[torch.Tensor], verdict: Verdict,
+) -> list[torch.Tensor] | None:  # fmt: skip
+    """What the planned message ``moving`` moved says, and the results: kept where every rank made the planned
+    call (its verdict to be read later, on the device wire), else the call's own data moved anew or the tables."""
+    key = ch.key
+    if plan.tail and isinstance(moving, Broadcast) and moving.source_missed(ch, plan, fits):
+        # Every rank knows that the source made another call than planned: compare the calls both ways.
+        if ch.wire.check(call.token, ch.group, ch.size):
+            return _agreed(ch, call, mover, key)
+        return _disagree(st, ch, call, None)
     if callable(verdict):
         if fits:  # read at the next collective; if the ranks differed, every rank raises then and forgets the counts
             seen = moving.seen if isinstance(moving, Broadcast) and isinstance(moving.seen, torch.Tensor) else None
@@ -82,9 +146,16 @@ def barrier(st: ProcessState, ch: Channel, call: Call) -> None:
 
 
 def settle(st: ProcessState) -> None:
-    """Read the verdicts left on their way from the device, in call order; raise if the ranks of a group differed."""
+    """Raise now what the last collectives' verdicts left on their way from the device found, if anything."""
     found: Channels | None = _state.group.channels
-    while found is not None and found.unsettled:
+    if found is not None and found.unsettled:
+        with _scope.communication(st, "the last collective"):
+            _settle(st, found)
+
+
+def _settle(st: ProcessState, found: Channels) -> None:
+    """Read the verdicts left on their way from the device, in call order; raise if the ranks of a group differed."""
+    while found.unsettled:
         ch = found.unsettled.pop(0)
         pending, ch.pending = ch.pending, None
         if pending is None or pending.read():
@@ -102,8 +173,12 @@ def _agreed(ch: Channel, call: Call, mover: Mover, key: int) -> list[torch.Tenso
         ch.key = 0
         return None
     out = mover.data(ch, call.data)
-    tail = bool(call.data) and mover.rides(ch, call.data)
-    _plan.learn(ch.plans, key, call.sig.fingerprint, mover.key, call.data, tail)
+    data = call.data
+    tail = bool(data) and mover.rides(ch, data)
+    bare = None
+    if call.spec is LEAF and call.op in _BARE:  # one tensor, the user's own: a call that can run again as it is
+        bare = (call.op, next(iter(call.params.values()), None), data[0].dtype, data[0].shape)
+    _plan.learn(ch.plans, key, call.sig, mover.key, data, tail, bare)
     ch.key = call.sig.fingerprint
     return out
 

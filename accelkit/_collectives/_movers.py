@@ -19,7 +19,7 @@ import torch
 from . import _check, _exchange
 from ._channel import Channel
 from ._plan import Plan
-from ._signature import Call
+from ._signature import Signature
 from ._wire import Group, Verdict
 
 __all__ = ["GATHER", "REDUCE", "TAIL_BYTES", "Broadcast", "Gather", "Mover", "Reduce", "planned"]
@@ -30,18 +30,18 @@ Moved = tuple[list[torch.Tensor], Verdict]
 
 
 class Reduce:
-    __slots__ = ("alone", "key", "op")
+    __slots__ = ("key", "made", "op")
 
     def __init__(self, op: str) -> None:
         self.op = op
         self.key: tuple[str, Any] = ("reduce", op)
-        self.alone: dict[torch.dtype, list[Group]] = {}  # the groups of one leaf, by its dtype
+        self.made: dict[Any, list[Group]] = {}  # the groups of the leaves' dtypes (one leaf's: by its dtype)
 
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.reduce(leaves, self.op, ch.size, ch.group)
 
-    def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        return ch.wire.reduce(self.op, self.groups(leaves), leaves, call.token, ch.group, ch.size)
+    def tail(self, ch: Channel, leaves: list[torch.Tensor], sig: Signature, seq: int, token: int) -> Moved:
+        return ch.wire.reduce(self.op, self.groups(leaves), leaves, token, ch.group, ch.size)
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
         """Unless the first group's dtype cannot count the ranks exactly (bfloat16 beyond 256 ranks, float16
@@ -53,15 +53,16 @@ class Reduce:
         """The leaves by the dtype and operation they are reduced with (the first leaf's first), in order: a dtype
         the backends cannot reduce in a wider one, booleans as bytes (sum and max: their or; product and min:
         their and), a mean as a sum."""
-        if len(leaves) == 1:
-            found = self.alone.get(leaves[0].dtype)
-            if found is None:
-                found = self.alone[leaves[0].dtype] = [(*self.way(leaves[0].dtype), [0])]
-            return found
-        groups: dict[tuple[torch.dtype, str], list[int]] = {}
-        for i, x in enumerate(leaves):
-            groups.setdefault(self.way(x.dtype), []).append(i)
-        return [(dtype, wire, members) for (dtype, wire), members in groups.items()]
+        key: Any = leaves[0].dtype if len(leaves) == 1 else tuple([x.dtype for x in leaves])
+        found = self.made.get(key)
+        if found is None:
+            if len(self.made) >= 256:
+                self.made.clear()
+            groups: dict[tuple[torch.dtype, str], list[int]] = {}
+            for i, x in enumerate(leaves):
+                groups.setdefault(self.way(x.dtype), []).append(i)
+            found = self.made[key] = [(dtype, wire, members) for (dtype, wire), members in groups.items()]
+        return found
 
     def way(self, dtype: torch.dtype) -> tuple[torch.dtype, str]:
         if dtype == torch.bool:
@@ -76,8 +77,8 @@ class Gather:
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.gather(leaves, ch.size, ch.group)
 
-    def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        return ch.wire.gather(leaves, call.sig.header(call.seq), ch.group, ch.size)
+    def tail(self, ch: Channel, leaves: list[torch.Tensor], sig: Signature, seq: int, token: int) -> Moved:
+        return ch.wire.gather(leaves, sig.header(seq), ch.group, ch.size)
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:
         """Up to :data:`TAIL_BYTES` per rank, where the wire holds the message: the results are copied out of it
@@ -98,10 +99,8 @@ class Broadcast:
     def data(self, ch: Channel, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return _exchange.broadcast(leaves, self.src, ch.me, ch.group)
 
-    def tail(self, ch: Channel, leaves: list[torch.Tensor], call: Call) -> Moved:
-        out, verdict, self.seen = ch.wire.broadcast(
-            leaves, call.sig.header(call.seq), self.src, ch.me == self.src, ch.group
-        )
+    def tail(self, ch: Channel, leaves: list[torch.Tensor], sig: Signature, seq: int, token: int) -> Moved:
+        out, verdict, self.seen = ch.wire.broadcast(leaves, sig.header(seq), self.src, ch.me == self.src, ch.group)
         return out, verdict
 
     def rides(self, ch: Channel, leaves: list[torch.Tensor]) -> bool:

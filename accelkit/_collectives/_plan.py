@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._exchange import full
+from ._signature import Signature
 
 __all__ = ["Plan", "Point", "learn"]
 
@@ -43,6 +44,10 @@ class Plan(NamedTuple):
     mover: tuple[str, Any]  # how the data moves: ("reduce", op), ("gather", None) or ("broadcast", src)
     shapes: tuple[tuple[torch.dtype, torch.Size], ...]  # the data's leaves (a rank that differs sends zeros)
     tail: bool  # the token rides in the data message (else: a check beside it)
+    sig: Signature  # the call it was made from
+    # A call of one bare tensor whose token rides: (operation, its argument, dtype, shape), what a call must
+    # match to be run again as it is (``_checked.again``), without being described anew; else None.
+    bare: tuple[str, Any, torch.dtype, torch.Size] | None
 
     def dummies(self, device: torch.device) -> list[torch.Tensor]:
         """Zeros shaped like the planned data: what a rank whose call differs sends."""
@@ -69,9 +74,10 @@ class Point:
             self.plan = self.plans[fingerprint]
 
 
-def learn(points: dict[int, Point], key: int, fingerprint: int, mover: tuple[str, Any], data: list[torch.Tensor],
-          tail: bool) -> None:  # fmt: skip
+def learn(points: dict[int, Point], key: int, sig: Signature, mover: tuple[str, Any], data: list[torch.Tensor],
+          tail: bool, bare: tuple[str, Any, torch.dtype, torch.Size] | None) -> None:  # fmt: skip
     """After a call every rank agreed on, another than ``key``'s plan: remember it as one to plan there."""
+    fingerprint = sig.fingerprint
     if len(points) >= _MAX_PLANS:
         points.clear()
     point = points.get(key)
@@ -83,6 +89,6 @@ def learn(points: dict[int, Point], key: int, fingerprint: int, mover: tuple[str
         if point.plan is not None and point.plan.fingerprint == rarest:
             point.plan = None
     shapes = tuple((x.dtype, x.shape) for x in data)
-    point.plans[fingerprint] = Plan(fingerprint, mover, shapes, tail)
+    point.plans[fingerprint] = Plan(fingerprint, mover, shapes, tail, sig, bare if tail else None)
     point.counts.setdefault(fingerprint, 0)
     point.agreed(fingerprint)

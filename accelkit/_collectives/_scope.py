@@ -19,7 +19,7 @@ from . import _exchange, _signature
 from ._channel import Channel, describe
 from ._signature import Call
 
-__all__ = ["collective", "communication"]
+__all__ = ["begin", "collective", "communication", "end", "failed"]
 
 
 @contextlib.contextmanager
@@ -28,15 +28,12 @@ def communication(st: ProcessState, op: str) -> Iterator[None]:
     try:
         yield
     except _exchange.CommunicationError as exc:
-        _failed(op, st, exc)
+        failed(op, st, exc)
 
 
 class collective:
     """One collective over ``ch``: numbered, its start and end published for the heartbeat (the world's), a
-    backend failure named.
-
-    The heartbeat thread reads only ``group.now``, an immutable snapshot this thread replaces.
-    """
+    backend failure named (:func:`begin` and :func:`end` around the body)."""
 
     __slots__ = ("call", "ch", "st")
 
@@ -44,25 +41,37 @@ class collective:
         self.st, self.ch, self.call = st, ch, call
 
     def __enter__(self) -> None:
-        group, ch, call = _state.group, self.ch, self.call
-        if group.closed:
-            _refuse_closed(self.st, group.closed)
-        seq = ch.seq = ch.seq + 1
-        sig = call.sig
-        call.seq, call.token = seq, _signature.token(sig, seq)
-        _exchange.release()
-        if ch.world:
-            # Every field given, without Now(...)'s Python frame: one each way per call.
-            fields = (sig.op, seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text, "")
-            group.now = tuple.__new__(Now, fields)
+        call = self.call
+        call.seq, call.token = begin(self.st, self.ch, call.sig)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if self.ch.world:
-            group = _state.group
-            now = group.now
-            group.now = tuple.__new__(Now, (now.op, now.seq, False, time.monotonic(), now.thread, 0, "", ""))
+        end(self.ch)
         if isinstance(exc, _exchange.CommunicationError):
-            _failed(self.call.op, self.st, exc, self.ch)
+            failed(self.call.op, self.st, exc, self.ch)
+
+
+def begin(st: ProcessState, ch: Channel, sig: _signature.Signature) -> tuple[int, int]:
+    """A collective of kind ``sig`` begins over ``ch``: its number there and its token. The earlier calls' messages
+    are let go; over the world's channel, where the rank is is published (the heartbeat thread reads only
+    ``group.now``, an immutable snapshot this thread replaces)."""
+    group = _state.group
+    if group.closed:
+        _refuse_closed(st, group.closed)
+    seq = ch.seq = ch.seq + 1
+    _exchange.release()
+    if ch.world:
+        # Every field given, without Now(...)'s Python frame: one each way per call.
+        fields = (sig.op, seq, True, time.monotonic(), threading.get_ident(), sig.fingerprint, sig.text, "")
+        group.now = tuple.__new__(Now, fields)
+    return seq, _signature.token(sig, seq)
+
+
+def end(ch: Channel) -> None:
+    """The collective begun over ``ch`` ended (or failed): the rank is no longer inside it."""
+    if ch.world:
+        group = _state.group
+        now = group.now
+        group.now = tuple.__new__(Now, (now.op, now.seq, False, time.monotonic(), now.thread, 0, "", ""))
 
 
 def _refuse_closed(st: ProcessState, reason: str) -> NoReturn:
@@ -72,7 +81,7 @@ def _refuse_closed(st: ProcessState, reason: str) -> NoReturn:
     )
 
 
-def _failed(op: str, st: ProcessState, error: _exchange.CommunicationError, ch: Channel | None = None) -> NoReturn:
+def failed(op: str, st: ProcessState, error: _exchange.CommunicationError, ch: Channel | None = None) -> NoReturn:
     """Name the operation in a backend failure (a timeout, a lost peer), and the ranks it waited for."""
     exc = error.cause
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

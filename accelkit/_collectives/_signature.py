@@ -99,7 +99,7 @@ def signature(
     if spec is not None and spec.kind == "leaf" and leaves:
         x = leaves[0]
         return _one(op, args, x.dtype, x.shape, free_dim)
-    shapes = tuple((x.dtype, x.shape) for x in leaves or ())
+    shapes = tuple([(x.dtype, x.shape) for x in leaves]) if leaves else ()
     return _tree_signature(op, args, spec, shapes, free_dim)
 
 
@@ -112,17 +112,17 @@ def _one(op: str, args: tuple[Any, ...], dtype: torch.dtype, shape: torch.Size, 
     return Signature(op, _hash(key), 0, code, min(len(shape), TREE), dims + (0,) * (7 - len(dims)), text)
 
 
-_TREES: dict[Any, Signature] = {}  # tree calls by (op, args, structure, shapes, free dim); bounded
+_TREES: dict[Any, Signature] = {}  # tree calls by (op, args, spec, shapes, free dim); bounded
 
 
 def _tree_signature(
     op: str, args: tuple[Any, ...], spec: _tree.TreeSpec | None, shapes: tuple[Any, ...], free_dim: int | None
 ) -> Signature:
-    structure = _tree.signature(spec) if spec is not None else None
-    key = (op, args, structure, shapes, free_dim)
+    key = (op, args, spec, shapes, free_dim)  # (a spec compares and hashes as its structure does)
     found = _TREES.get(key)
     if found is not None:
         return found
+    structure = _tree.signature(spec) if spec is not None else None
     ndim, dims = (TREE, (len(shapes),)) if spec is not None else (0, ())
     text = _call_text(op, args)
     if spec is not None:
@@ -130,6 +130,7 @@ def _tree_signature(
     fingerprint = _hash((op, args, structure, tuple((d, _shape_key(tuple(s), free_dim)) for d, s in shapes)))
     if len(_TREES) >= 4096:
         _TREES.clear()
+    key = (op, args, _tree.structure(spec) if spec is not None else None, shapes, free_dim)  # (no tensor kept)
     sig = _TREES[key] = Signature(op, fingerprint, 0, TREE, ndim, dims + (0,) * (7 - len(dims)), text)
     return sig
 
