@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import inspect
 import os
 import re
@@ -266,6 +267,33 @@ def test_fork_start_method_runs_local_functions() -> None:
         return ak.rank() + offset + ak.world_size()
 
     assert ak.launch(local, num_processes=2, cpu=True, start_method="fork") == 7
+
+
+class _Tripwire:
+    """Garbage of the launching process that leaves a file where a forked worker collects it."""
+
+    def __init__(self, where: Path) -> None:
+        self.where, self.owner, self.me = where, os.getpid(), self
+
+    def __del__(self) -> None:
+        if os.getpid() != self.owner:
+            (self.where / f"collected-in-{os.getpid()}").touch()
+
+
+def test_a_forked_worker_never_collects_the_launchers_garbage(tmp_path: Path) -> None:
+    # What a forked worker inherits is the launcher's: an object's destructor run there (a C++ thread's owner
+    # joining a thread that exists only in the launcher) aborted the worker at the group's end.
+    def work() -> float:
+        return float(ak.reduce(torch.ones(1)))
+
+    gc.disable()  # the cycle stays uncollected here until the workers have forked
+    try:
+        _Tripwire(tmp_path)
+        assert ak.launch(work, num_processes=2, cpu=True, start_method="fork") == 2.0
+    finally:
+        gc.enable()
+        gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def world_and_rank() -> int:

@@ -12,6 +12,7 @@ in ``multiprocessing`` processes and return through the agent.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import sys
@@ -132,6 +133,9 @@ def worker_main(job: Job) -> Any:
     from ._streams import apply_logging, whole_lines_to_notebook
 
     die_with_parent(job.launcher_pid)  # a launcher killed with SIGKILL takes its workers along
+    # Never collected here, what this process has so far: a forked worker's is the launcher's, and a destructor
+    # run in the copy (an object owning a C++ thread joins a thread that only the launcher has) aborts it.
+    gc.freeze()
     record_stacks(job.run_dir)  # a death by signal (a backend's abort, SIGTERM) shows where it was
     os.environ.update(job.env)
     whole_lines_to_notebook()
