@@ -240,6 +240,32 @@ def test_a_damaged_object_is_refused_naming_it_and_nothing_changes(
     assert ak.latest_checkpoint(bucket) == f"{bucket}/a"
 
 
+def test_a_checkpoint_replaced_between_its_manifest_and_its_listing_is_replaced_not_damaged(
+    bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsspec
+
+    from accelkit._checkpoint._remote_snapshot import RemoteSnapshot
+    from accelkit._checkpoint._where import storage_for
+
+    url = f"{bucket}/c"
+    save_pair(url, 1.0)  # type: ignore[arg-type]
+    storage = storage_for("load_state", url)
+    read_before = storage.manifest()  # type: ignore[attr-defined]
+    save_pair(url, 2.0)  # type: ignore[arg-type]  # a new folder, the manifest, then the old folder removed
+    answers = iter([read_before])
+    real = storage.manifest  # type: ignore[attr-defined]
+    monkeypatch.setattr(storage, "manifest", lambda: next(answers, None) or real())
+    with pytest.raises(ak.CheckpointError, match="was replaced or removed while it was being loaded"):
+        RemoteSnapshot.take(storage)  # type: ignore[arg-type]
+    # A file gone under a manifest that still names it is damage, and said so.
+    fs, _ = fsspec.core.url_to_fs(bucket)
+    model_file = next(p for p in objects(url) if p.endswith("model.pt"))
+    fs.rm_file(f"{bucket[len('s3://') :]}/c/{model_file}")
+    with pytest.raises(ak.CheckpointError, match=r"model\.pt is missing; the checkpoint is damaged"):
+        ak.load_state(url, model=small_model(5.0))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["same", "prune"], ids=["replaced", "pruned"])
 def test_loads_racing_saves_and_pruning_on_s3_load_one_whole_save(bucket: str, mode: str, tmp_path: Path) -> None:

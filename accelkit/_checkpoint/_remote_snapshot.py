@@ -51,6 +51,9 @@ class RemoteSnapshot:
             sizes = storage.listing(body.get("folder", ""))
         except FileNotFoundError:
             sizes = {}
+        absent = next((name for name in body["files"] if name not in sizes), None)
+        if absent is not None and not _still(storage, body):  # a save or a prune removes the manifest first
+            raise _gone(storage.url, absent)
         return cls(storage, body, sizes)
 
     def missing(self, name: str) -> bool:
@@ -82,10 +85,7 @@ class RemoteSnapshot:
         try:
             data = self.storage.fs.cat_file(f"{self._base}/{name}", start=at, end=at + length)
         except FileNotFoundError:
-            raise CheckpointError(
-                f"{self.where} was replaced or removed while it was being loaded ({name} is gone: a save into the "
-                f"same directory, or keep_last pruning it); nothing was changed: load it again"
-            ) from None
+            raise _gone(self.where, name) from None
         if len(data) != length:
             problem: str | None = (
                 f"is shorter than the manifest says (piece {index + 1} has {len(data)} of {length} bytes)"
@@ -174,3 +174,18 @@ class _Reader(io.RawIOBase):
                 view[done : done + take] = data[start : start + take]
             at, done = at + take, done + take
         return done
+
+
+def _still(storage: RemoteStorage, body: dict[str, Any]) -> bool:
+    """Whether ``body`` is still the manifest of ``storage``."""
+    try:
+        return storage.manifest() == body
+    except CheckpointError:
+        return False
+
+
+def _gone(where: str, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where} was replaced or removed while it was being loaded ({name} is gone: a save into the same "
+        f"directory, or keep_last pruning it); nothing was changed: load it again"
+    )
