@@ -469,6 +469,7 @@ def test_one_process_seeds_its_workers_as_the_plain_loader(persistent: bool) -> 
     def make() -> DataLoader[Any]:
         return DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2, persistent_workers=persistent)
 
+    threads = set(threading.enumerate())
     ak.set_seed(0)
     loader = make()
     plain = run(loader)
@@ -477,6 +478,8 @@ def test_one_process_seeds_its_workers_as_the_plain_loader(persistent: bool) -> 
     assert run(prepared) == plain
     del loader, prepared  # persistent workers end with their loader: now, not at some later collection
     gc.collect()
+    for thread in set(threading.enumerate()) - threads:  # the workers' queues' feeder threads end just after them
+        thread.join(timeout=30)
 
 
 def _loaded_in_workers() -> tuple[list[float], list[float]]:
