@@ -87,7 +87,7 @@ def _flatten(x: Any, leaves: list[torch.Tensor]) -> TreeSpec:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         names = tuple(f.name for f in dataclasses.fields(x) if f.init)
         children = tuple([_flatten(getattr(x, n), leaves) for n in names])
-        return TreeSpec("dataclass", kind, names, children, _Instance(x))
+        return TreeSpec("dataclass", kind, names, children, _Instance(kind, x))
     raise _NotATensor
 
 
@@ -97,8 +97,8 @@ class _Instance:
 
     __slots__ = ("cls", "value")
 
-    def __init__(self, value: Any) -> None:
-        self.cls, self.value = type(value), value
+    def __init__(self, cls: type, value: Any) -> None:
+        self.cls, self.value = cls, value
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Instance) and other.cls is self.cls
@@ -114,8 +114,7 @@ def structure(spec: TreeSpec) -> TreeSpec:
     children = tuple([structure(c) for c in spec.children])
     template = spec.template
     if spec.kind == "dataclass":
-        template = _Instance.__new__(_Instance)
-        template.cls, template.value = spec.template.cls, None
+        template = _Instance(spec.template.cls, None)
     elif all(mine is theirs for mine, theirs in zip(children, spec.children, strict=True)):
         return spec
     return spec._replace(children=children, template=template)
@@ -123,13 +122,18 @@ def structure(spec: TreeSpec) -> TreeSpec:
 
 def _mapping(x: Mapping[Any, Any], kind: type, leaves: list[torch.Tensor]) -> TreeSpec:
     order = tuple(x)
-    try:
-        keys = tuple(sorted(order))
-    except TypeError:  # keys of mixed types: keep the mapping's own order
-        keys = order
+    keys = _flatten_order(order)
     children = tuple([_flatten(x[k], leaves) for k in keys])
     template = (order, x.default_factory) if isinstance(x, defaultdict) else (order,)
     return TreeSpec("mapping", kind, keys, children, template)
+
+
+def _flatten_order(order: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A mapping's keys in flatten order: sorted, or the mapping's own order where they do not sort (mixed types)."""
+    try:
+        return tuple(sorted(order))
+    except TypeError:
+        return order
 
 
 def _first_not_a_tensor(x: Any, path: str) -> tuple[str, Any]:
@@ -141,11 +145,7 @@ def _first_not_a_tensor(x: Any, path: str) -> tuple[str, Any]:
         parts = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(x))]
         children = list(zip(parts, x, strict=False))
     elif isinstance(x, Mapping):
-        try:
-            keys: Any = sorted(x)
-        except TypeError:
-            keys = list(x)
-        children = [(f"[{k!r}]", x[k]) for k in keys]
+        children = [(f"[{k!r}]", x[k]) for k in _flatten_order(tuple(x))]
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
         children = [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x) if f.init]
     else:
