@@ -115,6 +115,75 @@ def test_plans_that_calls_miss_or_change_give_the_right_results(pool: WorkerPool
     assert first == expected
 
 
+def _raw_result(op: str, arg: Any, x: torch.Tensor) -> torch.Tensor:
+    """What raw torch.distributed gives for one bare call (the reference)."""
+    import torch.distributed as dist
+
+    x = x.detach().contiguous()
+    if op == "gather":
+        out = x.new_empty((2 * x.shape[0], *x.shape[1:]) if x.dim() else (2,))
+        dist.all_gather_into_tensor(out, x.reshape(-1) if x.dim() == 0 else x)
+        return out
+    if op == "broadcast":
+        out = x.clone()
+        dist.broadcast(out, arg)
+        return out
+    if x.dtype == torch.bool:  # (gloo sums booleans as bytes; it cannot reduce int16 at all)
+        return _raw_result(op, arg, x.to(torch.uint8)).clamp(max=1).bool()
+    if x.dtype == torch.int16:
+        return _raw_result(op, arg, x.to(torch.int32)).to(torch.int16)
+    out = x.clone()
+    dist.all_reduce(out, {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                          "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}[arg])  # fmt: skip
+    return out / 2 if arg == "mean" else out
+
+
+REPEATED = [("reduce", op, dtype, n) for op in ("sum", "mean", "max", "min", "product")
+            for dtype, n in ((torch.float32, 7), (torch.float16, 3), (torch.float64, 30_000))]  # fmt: skip
+REPEATED += [("reduce", op, torch.int64, 5) for op in ("sum", "max", "product")]
+REPEATED += [("reduce", "sum", torch.bool, 9), ("reduce", "max", torch.int16, 4)]
+REPEATED += [("broadcast", src, dtype, n) for src in (0, 1) for dtype, n in
+             ((torch.float32, 5), (torch.int8, 3), (torch.float64, 20_000), (torch.bool, 6))]  # fmt: skip
+REPEATED += [("gather", None, dtype, n) for dtype, n in ((torch.float32, 4), (torch.bfloat16, 0), (torch.int64, 1))]
+
+
+def repeated_bare_calls() -> list[str]:
+    """Each bare call four times at its point (the later ones run again as planned, as the wire prepared them),
+    on new values each time, laid out four ways (1-d or 0-d, every other element, one row, requiring grad): every
+    result against raw torch.distributed's, each its own tensor, none changed by the calls after it."""
+    problems: list[str] = []
+    for op, arg, dtype, n in REPEATED:
+        kept = []
+        for layout in ("flat", "strided", "row", "grad"):
+            if layout == "grad" and not dtype.is_floating_point:
+                continue
+            for i in range(4):
+                values = (torch.arange(2 * n) % 5 + ak.rank() + i + 1).to(dtype)
+                if layout == "grad":
+                    x = values[:n].clone().requires_grad_()
+                else:
+                    x = {"flat": values[:n] if n != 1 else values[:1].reshape(()), "strided": values[::2],
+                         "row": values[:n].view(1, n)}[layout]  # fmt: skip
+                got = ak.reduce(x, op=arg) if op == "reduce" else ak.broadcast(x, src=arg) if op == "broadcast" \
+                    else ak.gather(x)  # fmt: skip
+                kept.append((got, _raw_result(op, arg, x), f"{op}({arg}) {dtype} [{n}] {layout} #{i}"))
+        seen: set[int] = set()
+        for got, expected, name in kept:
+            if got.dtype != expected.dtype or got.shape != expected.shape or not torch.equal(got, expected):
+                problems.append(f"{name}: {got} != {expected}")
+            if got.requires_grad or got.storage_offset():
+                problems.append(f"{name}: a view or with history")
+            if got.numel() and got.untyped_storage().data_ptr() in seen:
+                problems.append(f"{name}: shares its storage with an earlier result")
+            seen.add(got.untyped_storage().data_ptr())
+    return problems
+
+
+@pytest.mark.distributed
+def test_a_bare_call_run_again_as_planned_gives_raw_torchs_result(pool: WorkerPool) -> None:
+    assert pool.run(repeated_bare_calls) == [[], []]
+
+
 def float8_misses_and_pads() -> list[Any]:
     f8 = torch.float8_e4m3fn
     calls = [torch.zeros(n, dtype=torch.uint8).view(f8) for n in (0, 0, 0, 2)]  # the last misses its plan
@@ -308,6 +377,8 @@ CHANGES = {  # a call repeated at its point, then made otherwise by rank 1, and 
                   ["the processes passed different arguments", "  - Process 1: accelkit.reduce(op='max') float32 [4]"]),
     "gather dtype": (lambda r: ak.gather(torch.ones(4, dtype=(torch.float32, torch.float64)[r])),
                      ["  - Process 0: float32 [4]", "  - Process 1: float64 [4]"]),
+    "large reduce shape": (lambda r: ak.reduce(torch.ones(20_000 + r)), ["  - Process 0: float32 [20000]",
+                                                                         "  - Process 1: float32 [20001]"]),
 }  # fmt: skip
 
 
@@ -344,28 +415,29 @@ def test_a_call_run_again_that_one_rank_changes_raises_the_table_on_every_rank(
         assert after == again == [2.0, 2.0]
 
 
-def broadcast_repeated_then_changed(changes: int, wire: str) -> Any:
+def broadcast_repeated_then_changed(changes: int, wire: str, n: int) -> Any:
     """A broadcast made three times alike, then of another shape on rank ``changes`` (the source or a receiver);
     the receiver finds it, and the source hears of it at its next collective."""
     _over(wire)
     for _ in range(3):
-        ak.broadcast(torch.ones(1, 5))
-    ak.broadcast(torch.ones((1, 5) if ak.rank() != changes else (1, 2, 5)))
+        ak.broadcast(torch.ones(1, n))
+    ak.broadcast(torch.ones((1, n) if ak.rank() != changes else (1, 2, n)))
     return ak.gather(torch.zeros(1))
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("n", [5, 20_000], ids=["small", "large"])
 @pytest.mark.parametrize("wire", ["host", "device"])
 @pytest.mark.parametrize("changes", [0, 1], ids=["source", "receiver"])
 def test_a_broadcast_run_again_that_one_rank_changes_raises_on_every_rank(
-    pool: WorkerPool, changes: int, wire: str
+    pool: WorkerPool, changes: int, wire: str, n: int
 ) -> None:
     with pytest.raises(ak.WorkerError) as info:
-        pool.run(broadcast_repeated_then_changed, changes, wire, task_timeout=60)
+        pool.run(broadcast_repeated_then_changed, changes, wire, n, task_timeout=60)
     failures = {f.rank: f for f in info.value.failures}
     assert sorted(failures) == [0, 1], info.value
-    table = ["Cannot apply accelkit.broadcast: the inputs differ across processes.", "float32 [1, 5]",
-             "float32 [1, 2, 5]"]  # fmt: skip
+    table = ["Cannot apply accelkit.broadcast: the inputs differ across processes.", f"float32 [1, {n}]",
+             f"float32 [1, 2, {n}]"]  # fmt: skip
     for rank, failure in failures.items():
         assert failure.exc_type == "accelkit.errors.DistributedOperationError", failure.message
         assert all(line in failure.message for line in table), f"rank {rank}:\n{failure.message}"

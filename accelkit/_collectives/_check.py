@@ -23,7 +23,7 @@ import torch
 from ._signature import AGREE
 
 __all__ = ["EXACT", "bits", "bits_agree_on_device", "bits_bytes", "check_tensor", "headers_agree_on_device",
-           "logic"]  # fmt: skip
+           "logic", "tables"]  # fmt: skip
 
 BITS = 64
 # The largest world size whose count of ones each dtype holds exactly (a bit's sum reaches it).
@@ -47,12 +47,18 @@ def bits_bytes(token: int, dtype: torch.dtype, with_complements: bool, times: in
     """The bytes of :func:`bits`, and of each of them times ``times``: what a host message carries, and what
     every rank finds after a sum of ``times`` ranks' bits (or, with complements and ``times`` 1, after their max,
     min or product) exactly when they all sent this token."""
-    key = (dtype, with_complements, times)
-    t, u = _ROW_BYTES.get(key) or _row_bytes(key)
+    t, u = tables(dtype, with_complements, times)
     # Each of the 8 bytes looked up by name, without a loop or map: a third of the instructions.
     a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
     return (b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h])),
             b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])))  # fmt: skip
+
+
+def tables(dtype: torch.dtype, with_complements: bool, times: int) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """For each byte value of a token: the bytes of its bits (as :func:`bits` has them), and of them times ``times``
+    (what :func:`bits_bytes` joins, eight lookups per token)."""
+    key = (dtype, with_complements, times)
+    return _ROW_BYTES.get(key) or _row_bytes(key)
 
 
 def check_tensor(token: int, device: torch.device) -> torch.Tensor:

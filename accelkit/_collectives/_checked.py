@@ -23,12 +23,12 @@ import torch
 from .. import _state
 from .._state import ProcessState
 from .._tree import LEAF
-from . import _exchange, _mismatch, _plan, _scope
+from . import _exchange, _mismatch, _plan, _scope, _scratch
 from ._channel import Channel, Channels, Pending
 from ._movers import Broadcast, Mover, planned
 from ._plan import Plan, Point
 from ._signature import Call
-from ._wire import Verdict
+from ._wire import Again, Verdict
 
 __all__ = ["again", "barrier", "run", "settle"]
 
@@ -66,36 +66,56 @@ def again(st: ProcessState, op: str, param: Any, x: Any, group: Any) -> torch.Te
     plan's bare call: operation, argument, dtype, shape), run as :func:`run` runs a planned call that fits, without
     a :class:`Call` unless the verdict needs one; None for any other call (the caller describes it).
 
-    Most collectives of a loop repeat the call made at their point the step before: this is their path. A
-    disagreement raises (the call is valid: it made the plan).
+    Most collectives of a loop repeat the call made at their point the step before: this is their path, the call
+    as the wire prepared it for this thread (:meth:`~._wire.Wire.again`) where it can. A disagreement raises
+    (the call is valid: it made the plan).
     """
     channels = _state.group.channels
-    ch = channels.repeating(st, group) if channels is not None and isinstance(x, torch.Tensor) else None
+    if channels is None or not isinstance(x, torch.Tensor):
+        return None
+    ch = channels.world if group is None and channels.again is st else channels.repeating(st, group)
     if ch is None:
         return None
     point = ch.plans.get(ch.key)
     plan = point.plan if point is not None else None
-    if plan is None or plan.bare != (op, param, x.dtype, x.shape):
+    if point is None or plan is None or plan.bare != (op, param, x.dtype, x.shape):
         return None
-    settle(st)
-    return _again(st, ch, point, plan, x)
+    if channels.unsettled:
+        settle(st)
+    quick = point.quick
+    if quick is None or quick[0] is not plan or quick[1] is not _scratch.mine():
+        prepared = ch.wire.again(plan.bare, plan.sig, ch.group, ch.size, ch.me)
+        quick = point.quick = (plan, _scratch.mine(), prepared)
+    return _again(st, ch, point, plan, x, quick[2])
 
 
-def _again(st: ProcessState, ch: Channel, point: Point, plan: Plan, x: torch.Tensor) -> torch.Tensor:
+def _again(
+    st: ProcessState, ch: Channel, point: Point, plan: Plan, x: torch.Tensor, prepared: Again | None
+) -> torch.Tensor:
     sig = plan.sig
-    mover = planned(plan.mover)
     seq, token = _scope.begin(st, ch, sig)
     try:
-        out, verdict = mover.tail(ch, [x], sig, seq, token)
+        mover: Mover | None = None
+        verdict: Verdict
+        if prepared is not None:
+            result, verdict, seen = prepared(x, seq, token)
+        else:
+            mover = planned(plan.mover)
+            out, verdict = mover.tail(ch, [x], sig, seq, token)
+            result = out[0]
         if verdict is True:
             ch.key = sig.fingerprint
             point.agreed(sig.fingerprint)
-            result = out[0]
         else:  # a verdict to read later, or a disagreement: judged as run() judges it, with the call described
+            if mover is None:
+                mover = planned(plan.mover)
+                if isinstance(mover, Broadcast):
+                    mover.seen = seen
             op, param = plan.bare[:2]  # type: ignore[index]
             call = Call(sig, [x], {_PARAMS[op]: param} if op in _PARAMS else {}, LEAF)
             call.seq, call.token = seq, token
-            result = _judged(st, ch, call, mover, mover, point, plan, True, out, verdict)[0]  # type: ignore[index]
+            judged = _judged(st, ch, call, mover, mover, point, plan, True, [result], verdict)
+            result = judged[0]  # type: ignore[index]
     except BaseException as exc:
         _scope.end(ch)
         if isinstance(exc, _exchange.CommunicationError):

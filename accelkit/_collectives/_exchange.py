@@ -91,10 +91,15 @@ def _wait(work: Any) -> None:
         work.wait()
 
 
-def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """One torch.distributed call (``async_op=False``: the backend may run it on this thread; ``True``: its
     work, for :func:`wait`)."""
     _keep(args)
+    return held(fn, *args, **kwargs)
+
+
+def held(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`call` over tensors that outlive it elsewhere (views of a thread's reused buffer): none to keep."""
     try:
         return fn(*args, **kwargs)
     except torch.OutOfMemoryError:
@@ -103,21 +108,26 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise CommunicationError(exc) from exc
 
 
+def reduce_op(op: str) -> Any:
+    """torch's ReduceOp for ``op`` ("sum", "max", "min" or "product")."""
+    return _OPS[op]
+
+
 def broadcast_tensor(x: torch.Tensor, src: int, group: Any = None) -> None:
     """Broadcast ``x`` in place from global rank ``src`` over ``group``."""
-    _run(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src, group)
+    call(dist.broadcast, torch.view_as_real(x) if x.is_complex() else x, src, group)
 
 
 def all_reduce(x: torch.Tensor, op: str, group: Any = None) -> None:
     """Reduce ``x`` in place over ``group``'s ranks with ``op`` ("sum", "max", "min" or "product")."""
-    _run(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op], group)
+    call(dist.all_reduce, torch.view_as_real(x) if x.is_complex() else x, _OPS[op], group)
 
 
 def all_gather(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
     """``out`` (``world`` times ``x`` along dim 0) receives every rank's ``x`` in rank order (over ``group``)."""
     if x.is_complex():
         out, x = torch.view_as_real(out), torch.view_as_real(x)
-    _run(_GATHER_SINGLE, out, x, group=group)  # every backend of torch >= 2.4 has it (gloo too)
+    call(_GATHER_SINGLE, out, x, group=group)  # every backend of torch >= 2.4 has it (gloo too)
 
 
 def plain(x: torch.Tensor) -> bool:
@@ -295,7 +305,7 @@ def exchange_objects(obj: Any, group: Any) -> list[Any]:
 
 def barrier(group: Any = None) -> None:
     """The backend's own barrier (unchecked collectives)."""
-    _run(dist.barrier, group)
+    call(dist.barrier, group)
 
 
 def loads(payload: bytes) -> Any:
@@ -329,7 +339,7 @@ def _split(data: bytearray, size: int) -> list[bytearray]:
 
 def start_sum(x: torch.Tensor, group: Any = None) -> Any:
     """Begin summing ``x`` in place over ``group``'s ranks without waiting; :func:`wait` waits for it."""
-    return _run(dist.all_reduce, x, group=group, async_op=True)
+    return call(dist.all_reduce, x, group=group, async_op=True)
 
 
 def wait(work: Any) -> None:

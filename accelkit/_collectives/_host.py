@@ -8,6 +8,10 @@ reduction or a broadcast beyond :data:`SMALL` bytes moves in a fresh message who
 message itself (:class:`~._wire.Wire`'s way: the one copy raw code makes), and the bits are copied into
 the thread's small buffer to be read. Each rank compares what it received with what it expects of its
 own call (see :mod:`._check`), and every rank reads the same verdict.
+
+A planned call of one bare tensor, repeated (most collectives of a loop), runs through :meth:`HostWire.again`:
+the same message, prepared once per thread (its layout, its token's tables, its header's constant bytes), so
+that a call does only what its message needs.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import _check, _exchange, _scratch
-from ._signature import AGREE, HEADER
-from ._wire import Group, Verdict, Wire
+from ._signature import AGREE, HEADER, Signature
+from ._wire import Again, Bare, Group, Verdict, Wire
 
 __all__ = ["SMALL", "HostWire", "LoopbackWire"]
 
@@ -110,6 +115,143 @@ class HostWire(Wire):
             return out, True, None
         theirs = bytes(raw[at : at + HEADER])
         return out, theirs[:AGREE] == header[:AGREE], theirs
+
+    # -- a planned bare call, prepared ----------------------------------------------------------------------
+    def again(self, bare: Bare, sig: Signature, group: Any, size: int, me: int) -> Again | None:
+        """The planned call ``bare`` of kind ``sig`` over ``group`` prepared in this thread's buffer: what
+        :meth:`gather`, :meth:`reduce_group` or :meth:`broadcast` do for it, nothing looked up or described
+        anew; None where the general path must run (a dtype reduced in another, a message beyond the buffer's
+        share, an empty tensor). Only this thread may run it, while its buffer is :func:`_scratch.mine`."""
+        op, param, dtype, shape = bare
+        if not shape.numel() or dtype.is_complex:
+            return None
+        header = sig.header(0)  # its bytes but the call's number (8 to 16)
+        pre, post = header[:8], header[16:]
+        if op == "reduce":
+            return self._again_reduce(param, dtype, shape, group, size)
+        if op == "broadcast":
+            return self._again_broadcast(param, param == me, dtype, shape, pre, post, group)
+        return self._again_gather(dtype, shape, pre, post, group, size)
+
+    def _again_reduce(self, op: str, dtype: torch.dtype, shape: torch.Size, group: Any, size: int) -> Again | None:
+        if dtype in _exchange.WIDER or dtype == torch.bool:
+            return None
+        wire = "sum" if op == "mean" else op
+        logic = _check.logic(wire)
+        nbits = (128 if logic else 64) * dtype.itemsize
+        found, layout = _scratch.message(((dtype, shape),), dtype, nbits, SMALL)
+        t, u = _check.tables(dtype, logic, 1 if logic else self.count(size))
+        if layout is None:
+            return self._again_reduce_fresh(op, wire, dtype, shape, nbits, (t, u), group, size)
+        into, message, raw, at, end = layout.inputs[0], layout.message, found.raw, layout.tail, layout.tail + nbits
+        how, mean, call = _exchange.reduce_op(wire), op == "mean", _exchange.held
+
+        def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
+            into.copy_(x.detach() if x.requires_grad else x)
+            a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
+            raw[at:end] = b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h]))
+            call(dist.all_reduce, message, how, group)
+            out = into.clone()
+            if mean:
+                out.div_(size)
+            return out, raw[at:end] == b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])), None
+
+        return run
+
+    def _again_reduce_fresh(
+        self, op: str, wire: str, dtype: torch.dtype, shape: torch.Size, nbits: int,
+        tables: tuple[tuple[bytes, ...], tuple[bytes, ...]], group: Any, size: int,
+    ) -> Again:  # fmt: skip
+        """A reduction beyond the buffer's share, in a fresh message (as :meth:`Wire.reduce_group`): the data, then
+        the token's bits written in the thread's small buffer; the result the message itself."""
+        found = _scratch.head()
+        small_raw, bits, (t, u), n = found.small_raw, found.small(dtype, nbits // dtype.itemsize), tables, shape.numel()
+        how, mean, flat, call = _exchange.reduce_op(wire), op == "mean", len(shape) == 1, _exchange.call
+
+        def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
+            a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
+            small_raw[:nbits] = b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h]))
+            message = torch.cat([_exchange.flat(x), bits])
+            call(dist.all_reduce, message, how, group)
+            out = message[:n] if flat else message[:n].view(shape)
+            if mean:
+                out.div_(size)
+            bits.copy_(message[n:])
+            return out, small_raw[:nbits] == b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])), None
+
+        return run
+
+    def _again_broadcast(
+        self, src: int, source: bool, dtype: torch.dtype, shape: torch.Size, pre: bytes, post: bytes, group: Any
+    ) -> Again | None:
+        found, layout = _scratch.message(((dtype, shape),), torch.uint8, HEADER, SMALL)
+        if layout is None:
+            return self._again_broadcast_fresh(src, source, dtype, shape, pre, post, group)
+        into, message, raw, at, end = layout.inputs[0], layout.message, found.raw, layout.tail, layout.tail + HEADER
+        agree, call = post[: AGREE - 16], _exchange.held
+
+        def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
+            number = seq.to_bytes(8, "little")
+            if source:
+                into.copy_(x.detach() if x.requires_grad else x)
+                raw[at:end] = b"".join((pre, number, post))
+            call(dist.broadcast, message, src, group)
+            out = into.clone()
+            if source:
+                return out, True, None
+            theirs = bytes(raw[at:end])
+            return out, theirs[:AGREE] == b"".join((pre, number, agree)), theirs
+
+        return run
+
+    def _again_broadcast_fresh(
+        self, src: int, source: bool, dtype: torch.dtype, shape: torch.Size, pre: bytes, post: bytes, group: Any
+    ) -> Again | None:
+        """A broadcast beyond the buffer's share, in a fresh message of the leaf's dtype (as :meth:`Wire.broadcast`)."""
+        if dtype not in _exchange.NATIVE or dtype == torch.bool:
+            return None
+        found = _scratch.head()
+        head_raw, head, n, flat = found.head_raw, found.head(dtype), shape.numel(), len(shape) == 1
+        size, device, agree, call = n + HEADER // dtype.itemsize, self.device, post[: AGREE - 16], _exchange.call
+
+        def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
+            number = seq.to_bytes(8, "little")
+            if source:
+                head_raw[:] = b"".join((pre, number, post))
+                message = torch.cat([_exchange.flat(x), head])
+            else:
+                message = torch.empty(size, dtype=dtype, device=device)
+            call(dist.broadcast, message, src, group)
+            out = message[:n] if flat else message[:n].view(shape)
+            if source:
+                return out, True, None
+            head.copy_(message[n:])
+            theirs = bytes(head_raw)
+            return out, theirs[:AGREE] == b"".join((pre, number, agree)), theirs
+
+        return run
+
+    def _again_gather(
+        self, dtype: torch.dtype, shape: torch.Size, pre: bytes, post: bytes, group: Any, size: int
+    ) -> Again | None:
+        shapes = ((dtype, shape),)
+        if not self.holds(size, shapes):
+            return None
+        found, layout = _scratch.gather(size, shapes, HEADER)
+        into, rows, raw, headers = layout.inputs[0], layout.rows[0], found.raw, layout.headers
+        at, end, agree, move = layout.header, layout.header + HEADER, post[: AGREE - 16], self.move
+        if into is None or rows is None:
+            return None
+
+        def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
+            number = seq.to_bytes(8, "little")
+            into.copy_(x.detach() if x.requires_grad else x)
+            raw[at:end] = b"".join((pre, number, post))
+            move(layout, raw, group, size)
+            agreed = b"".join((pre, number, agree))
+            return torch.cat(rows), all(raw[r : r + AGREE] == agreed for r in headers), None
+
+        return run
 
     def header_out(self, header: bytes, dtype: torch.dtype) -> torch.Tensor:
         found = _scratch.head()

@@ -58,12 +58,15 @@ class Point:
     """The calls every rank agreed on at one point of the program, and the plan it sends: the one agreed
     most often (the latest among equals)."""
 
-    __slots__ = ("counts", "plan", "plans")
+    __slots__ = ("counts", "plan", "plans", "quick")
 
     def __init__(self) -> None:
         self.plans: dict[int, Plan] = {}
         self.counts: dict[int, int] = {}
         self.plan: Plan | None = None
+        # The plan's bare call as the wire prepared it: (plan, the thread's buffer it was made in, the prepared
+        # call or None); made again when the plan or the buffer changes (see ``_checked.again``).
+        self.quick: tuple[Plan, Any, Any] | None = None
 
     def agreed(self, fingerprint: int) -> None:
         """Every rank made the call ``fingerprint`` here (a planned one, or one just learned)."""

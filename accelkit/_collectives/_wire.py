@@ -22,14 +22,18 @@ from typing import Any
 import torch
 
 from . import _check, _exchange
-from ._signature import HEADER
+from ._signature import HEADER, Signature
 
-__all__ = ["Group", "Verdict", "Wire", "read"]
+__all__ = ["Again", "Bare", "Group", "Verdict", "Wire", "read"]
 
 # Whether every rank made the same call: known now, or a reader to call later (it waits for the device).
 Verdict = bool | Callable[[], bool]
 # A reduction's leaves that travel together: the dtype and operation they are reduced with, and which leaves.
 Group = tuple[torch.dtype, str, list[int]]
+# A plan's call of one bare tensor (operation, its argument, dtype, shape), and that call prepared by a wire:
+# (tensor, call number, token) -> (result, verdict, what a broadcast's receiver saw of the source's header).
+Bare = tuple[str, Any, torch.dtype, torch.Size]
+Again = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, bool, bytes | None]]
 
 
 def read(verdict: Verdict) -> bool:
@@ -70,6 +74,11 @@ class Wire:
         return _check.check_tensor(token, self.device)
 
     # -- moving ------------------------------------------------------------------------------------------
+    def again(self, bare: Bare, sig: Signature, group: Any, size: int, me: int) -> Again | None:
+        """A planned call of one bare tensor, prepared (the host wire's :meth:`HostWire.again`); None: the
+        general path (:meth:`gather`, :meth:`reduce`, :meth:`broadcast`) runs it."""
+        return None
+
     def gather(
         self, leaves: list[torch.Tensor], header: bytes, group: Any, size: int
     ) -> tuple[list[torch.Tensor], Verdict]:
