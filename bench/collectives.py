@@ -15,6 +15,10 @@ Where Accelerate is installed (``pip install accelerate``), its calls for the sa
 ``Accelerator.gather_for_metrics``) are timed in the same blocks, each contender leading in
 turn: the ``Accelerate:`` rows give its ratio against the same raw reference.
 
+``result used`` rows time each call followed by a first use of its result (its sum): the first tensor
+operation after a blocking wait costs a wake-up (measured ~15 µs on a 2-core machine, ~1 µs otherwise), which a
+call that returns without touching its result leaves to its caller, and the caller's next step pays.
+
 ``added CPU`` rows isolate what accelkit adds per call from the network's noise: the same
 pairs on torch's in-process fake process group (collectives that do nothing), in a child
 process; their ``diff`` is the µs accelkit spends around each torch.distributed call.
@@ -143,10 +147,21 @@ def _cases(rank: int, only: tuple[str, ...] = (), with_accelerate: bool = True) 
     x = torch.randn(SIZES["1e3"])
     metrics = _bind(theirs["gather_for_metrics"], x) if theirs else None
     cases.append(("gather_for_metrics 1e3 floats", _bind(ak.gather_for_metrics, x), _bind(_raw_gather, x), metrics))
+    for op in ("gather", "reduce", "broadcast"):  # each call, then the first use of its result, as a step makes it
+        x = torch.randn(SIZES["1e3"])
+        other = _used(theirs[op], x.clone()) if theirs else None
+        cases.append((f"{op} 1e3 floats, result used", _used(ours[op], x), _used(RAW[op], x), other))
     for label in ("1e3", "1e6"):
         x = torch.randn(SIZES[label])
         cases.append((f"raw vs raw: gather {label} floats", _bind(_raw_gather, x), _bind(_raw_gather, x), None))
     return [c for c in cases if not only or c[0].startswith(only)]
+
+
+def _used(fn: Callable[[Any], Any], data: Any) -> Callable[[], Any]:
+    """The call, then a first operation on its result (its sum): a blocking collective's caller pays, in its first
+    tensor operation after the wait, a wake-up cost that a call which touches nothing after it leaves to its caller
+    (~15 µs on a 2-core machine): with the result used, every contender pays it once."""
+    return lambda: fn(data).sum()
 
 
 def _measure(quick: bool, only: tuple[str, ...] = ()) -> list[tuple[str, list[float], list[float], list[float]]]:

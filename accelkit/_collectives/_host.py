@@ -172,11 +172,11 @@ class HostWire(Wire):
             a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
             small_raw[:nbits] = b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h]))
             message = torch.cat([_exchange.flat(x), bits])
+            out, tail = message[:n] if flat else message[:n].view(shape), message[n:]  # (made before the wait)
             call(dist.all_reduce, message, how, group)
-            out = message[:n] if flat else message[:n].view(shape)
             if mean:
                 out.div_(size)
-            bits.copy_(message[n:])
+            bits.copy_(tail)
             return out, small_raw[:nbits] == b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])), None
 
         return run
@@ -192,13 +192,14 @@ class HostWire(Wire):
 
         def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
             number = seq.to_bytes(8, "little")
-            if source:
-                into.copy_(x.detach() if x.requires_grad else x)
+            if source:  # its result made before it waits, nothing after: the first tensor operation after a wait
+                into.copy_(x.detach() if x.requires_grad else x)  # costs a wake-up, which raw code leaves to its caller
                 raw[at:end] = b"".join((pre, number, post))
+                out = into.clone()
+                call(dist.broadcast, message, src, group)
+                return out, True, None
             call(dist.broadcast, message, src, group)
             out = into.clone()
-            if source:
-                return out, True, None
             theirs = bytes(raw[at:end])
             return out, theirs[:AGREE] == b"".join((pre, number, agree)), theirs
 
@@ -221,11 +222,13 @@ class HostWire(Wire):
                 message = torch.cat([_exchange.flat(x), head])
             else:
                 message = torch.empty(size, dtype=dtype, device=device)
-            call(dist.broadcast, message, src, group)
-            out = message[:n] if flat else message[:n].view(shape)
+            out = message[:n] if flat else message[:n].view(shape)  # (views made before the wait, as above)
             if source:
+                call(dist.broadcast, message, src, group)
                 return out, True, None
-            head.copy_(message[n:])
+            tail = message[n:]
+            call(dist.broadcast, message, src, group)
+            head.copy_(tail)
             theirs = bytes(head_raw)
             return out, theirs[:AGREE] == b"".join((pre, number, agree)), theirs
 
