@@ -19,6 +19,9 @@ turn: the ``Accelerate:`` rows give its ratio against the same raw reference.
 operation after a blocking wait costs a wake-up (measured ~15 µs on a 2-core machine, ~1 µs otherwise), which a
 call that returns without touching its result leaves to its caller, and the caller's next step pays.
 
+``header by hand`` rows time the least a checked broadcast does, written by hand (a header after the
+source's data, copied out and compared by each receiver) against raw: the floor of a broadcast that checks.
+
 ``added CPU`` rows isolate what accelkit adds per call from the network's noise: the same
 pairs on torch's in-process fake process group (collectives that do nothing), in a child
 process; their ``diff`` is the µs accelkit spends around each torch.distributed call.
@@ -87,6 +90,31 @@ def _raw_pad(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _HeaderBroadcast:
+    """The least a checked broadcast does, by hand: a 64-byte header after the source's data, copied out and
+    compared by each receiver (no count, plan or position; the ``header by hand`` rows)."""
+
+    def __init__(self) -> None:
+        self.seq, self.raw = 0, bytearray(64)
+        self.head = torch.frombuffer(self.raw, dtype=torch.float32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.seq += 1
+        number, n = self.seq.to_bytes(8, "little"), x.numel()
+        if dist.get_rank() == 0:
+            self.raw[:] = b"".join((b"akc2", number, bytes(52)))
+            message = torch.cat([x, self.head])
+        else:
+            message = torch.empty(n + 16)
+        out, tail = message.split_with_sizes([n, 16])
+        dist.broadcast(message, 0)
+        if dist.get_rank() != 0:
+            self.head.copy_(tail)
+            if self.raw[4:12] != number:
+                raise RuntimeError("the broadcasts differ")
+        return out
+
+
 RAW = {"gather": _raw_gather, "reduce": _raw_reduce, "broadcast": _raw_broadcast, "pad_across_processes": _raw_pad}
 
 
@@ -148,9 +176,14 @@ def _cases(rank: int, only: tuple[str, ...] = (), with_accelerate: bool = True) 
     metrics = _bind(theirs["gather_for_metrics"], x) if theirs else None
     cases.append(("gather_for_metrics 1e3 floats", _bind(ak.gather_for_metrics, x), _bind(_raw_gather, x), metrics))
     for op in ("gather", "reduce", "broadcast"):  # each call, then the first use of its result, as a step makes it
-        x = torch.randn(SIZES["1e3"])
-        other = _used(theirs[op], x.clone()) if theirs else None
-        cases.append((f"{op} 1e3 floats, result used", _used(ours[op], x), _used(RAW[op], x), other))
+        for label in ("1e3", "1e5"):
+            x = torch.randn(SIZES[label])
+            other = _used(theirs[op], x.clone()) if theirs else None
+            cases.append((f"{op} {label} floats, result used", _used(ours[op], x), _used(RAW[op], x), other))
+    for label in ("1e3", "1e5"):
+        x = torch.randn(SIZES[label])
+        cases.append((f"header by hand: broadcast {label} floats", _bind(_HeaderBroadcast(), x),
+                      _bind(_raw_broadcast, x), None))  # fmt: skip
     for label in ("1e3", "1e6"):
         x = torch.randn(SIZES[label])
         cases.append((f"raw vs raw: gather {label} floats", _bind(_raw_gather, x), _bind(_raw_gather, x), None))

@@ -44,19 +44,23 @@ def record_stacks(run_dir: str) -> None:
         faulthandler.register(signal.SIGTERM, _file, all_threads=True, chain=True)
 
 
-def _blocks(run_dir: str, pid: int | None) -> list[str]:
+def _text(run_dir: str, pid: int | str | None) -> str:
+    """The stacks file of process ``pid`` ("" if it left none)."""
     try:
         with open(os.path.join(run_dir, _FOLDER, f"{pid}.txt")) as f:
-            text = f.read()
+            return f.read()
     except OSError:
-        return []
+        return ""
+
+
+def _blocks(text: str) -> list[str]:
     return [b for b in text.strip().split("\n\n") if b and not b.startswith(("Extension modules:", _RANK))]
 
 
 def stacks_of(run_dir: str, pid: int | None, main_only: bool = False) -> str:
     """What :func:`record_stacks` caught in process ``pid``: the error, the main thread's stack, then the other
     threads' (``main_only``: the main thread's alone); "" if nothing."""
-    blocks = _blocks(run_dir, pid)
+    blocks = _blocks(_text(run_dir, pid))
     blocks.sort(key=lambda b: (not b.startswith("Fatal Python error"), " in <module>" not in b))  # stable
     if main_only:
         blocks = [b for b in blocks if " in <module>" in b][:1]
@@ -70,13 +74,10 @@ def where_each_was(run_dir: str) -> dict[int, Spot]:
     folder = os.path.join(run_dir, _FOLDER)
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         pid = name.removesuffix(".txt")
-        try:
-            with open(os.path.join(folder, name)) as f:
-                head = f.readline().strip()
-        except OSError:
-            continue
+        text = _text(run_dir, pid)  # read once: its first line names the rank, the rest are its stacks
+        head = text.split("\n", 1)[0].strip()
         rank = head.removeprefix(_RANK)
-        spot = where_it_was(run_dir, int(pid)) if head.startswith(_RANK) and rank.isdigit() and pid.isdigit() else None
+        spot = _main_thread(_blocks(text)) if head.startswith(_RANK) and rank.isdigit() and pid.isdigit() else None
         if spot is not None:
             found[int(rank)] = spot
     return found
@@ -84,7 +85,11 @@ def where_each_was(run_dir: str) -> dict[int, Spot]:
 
 def where_it_was(run_dir: str, pid: int | None) -> Spot | None:
     """Where the main thread of process ``pid`` was when a signal ended it (the thread that runs ``<module>``)."""
-    for block in _blocks(run_dir, pid):
+    return _main_thread(_blocks(_text(run_dir, pid)))
+
+
+def _main_thread(blocks: list[str]) -> Spot | None:
+    for block in blocks:
         if " in <module>" in block:
             return spot_of_dump(block)
     return None
