@@ -107,6 +107,18 @@ def test_headers_are_read_at_their_place_in_views() -> None:
         assert bool(_check.headers_agree_on_device(messages, ranks, width, at, header))
 
 
+@pytest.mark.parametrize("seq", [1, 300, 2**40 + 3])
+def test_a_header_is_its_framing_around_the_call_number(seq: int) -> None:
+    # A call run again as planned writes its header from the bytes around its number, made once.
+    from accelkit._collectives._signature import AGREE, signature
+
+    sig = signature("broadcast", {"src": 1}, [torch.ones(2, 3, dtype=torch.float16)])
+    before, after, agreed = sig.framing()
+    number = seq.to_bytes(8, "little")
+    assert sig.header(seq) == before + number + after
+    assert sig.header(seq)[:AGREE] == before + number + agreed
+
+
 def test_pad_rejects_a_dim_that_is_no_integer() -> None:
     with pytest.raises(TypeError, match=r"dim=1.5.*integer"):
         ak.pad_across_processes(torch.zeros(2), dim=1.5)  # type: ignore[arg-type]

@@ -23,9 +23,10 @@ import torch
 from ._signature import AGREE
 
 __all__ = ["EXACT", "bits", "bits_agree_on_device", "bits_bytes", "check_tensor", "headers_agree_on_device",
-           "logic", "tables"]  # fmt: skip
+           "logic", "tables", "token_bytes"]  # fmt: skip
 
 BITS = 64
+Tables = tuple[tuple[bytes, ...], tuple[bytes, ...]]  # per byte value: its bits' bytes, and them times a count
 # The largest world size whose count of ones each dtype holds exactly (a bit's sum reaches it).
 EXACT = {torch.float16: 2048, torch.bfloat16: 256, torch.float32: 1 << 24, torch.float64: 1 << 53,
          torch.complex64: 1 << 24, torch.complex128: 1 << 53, torch.uint8: 255, torch.int8: 127,
@@ -47,18 +48,23 @@ def bits_bytes(token: int, dtype: torch.dtype, with_complements: bool, times: in
     """The bytes of :func:`bits`, and of each of them times ``times``: what a host message carries, and what
     every rank finds after a sum of ``times`` ranks' bits (or, with complements and ``times`` 1, after their max,
     min or product) exactly when they all sent this token."""
-    t, u = tables(dtype, with_complements, times)
+    return token_bytes(token, tables(dtype, with_complements, times))
+
+
+def tables(dtype: torch.dtype, with_complements: bool, times: int) -> Tables:
+    """For each byte value of a token: the bytes of its bits (as :func:`bits` has them), and of them times
+    ``times``: what :func:`token_bytes` reads (a caller that makes many calls of one kind keeps them)."""
+    key = (dtype, with_complements, times)
+    return _ROW_BYTES.get(key) or _row_bytes(key)
+
+
+def token_bytes(token: int, found: Tables) -> tuple[bytes, bytes]:
+    """:func:`bits_bytes` from the tables of its dtype, complements and count."""
+    t, u = found
     # Each of the 8 bytes looked up by name, without a loop or map: a third of the instructions.
     a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
     return (b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h])),
             b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])))  # fmt: skip
-
-
-def tables(dtype: torch.dtype, with_complements: bool, times: int) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-    """For each byte value of a token: the bytes of its bits (as :func:`bits` has them), and of them times ``times``
-    (what :func:`bits_bytes` joins, eight lookups per token)."""
-    key = (dtype, with_complements, times)
-    return _ROW_BYTES.get(key) or _row_bytes(key)
 
 
 def check_tensor(token: int, device: torch.device) -> torch.Tensor:
@@ -94,10 +100,10 @@ def _rows(dtype: torch.dtype, device: torch.device, with_complements: bool) -> l
     return list(values.unbind(0))
 
 
-_ROW_BYTES: dict[tuple[torch.dtype, bool, int], tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}
+_ROW_BYTES: dict[tuple[torch.dtype, bool, int], Tables] = {}
 
 
-def _row_bytes(key: tuple[torch.dtype, bool, int]) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+def _row_bytes(key: tuple[torch.dtype, bool, int]) -> Tables:
     """For each byte value: the bytes of its bits as :func:`_rows` has them, and of each of them times ``times``."""
     dtype, with_complements, times = key
     if len(_ROW_BYTES) >= 256:

@@ -27,6 +27,8 @@ from ._wire import Again, Bare, Group, Verdict, Wire
 
 __all__ = ["SMALL", "HostWire", "LoopbackWire"]
 
+Framing = tuple[bytes, bytes, bytes]  # a header's bytes around the call's number (Signature.framing)
+
 SMALL = 64 << 10  # bytes of a reduction's or a broadcast's message up to which it goes through the buffer
 
 
@@ -125,13 +127,11 @@ class HostWire(Wire):
         op, param, dtype, shape = bare
         if not shape.numel() or dtype.is_complex:
             return None
-        header = sig.header(0)  # its bytes but the call's number (8 to 16)
-        pre, post = header[:8], header[16:]
         if op == "reduce":
             return self._again_reduce(param, dtype, shape, group, size)
         if op == "broadcast":
-            return self._again_broadcast(param, param == me, dtype, shape, pre, post, group)
-        return self._again_gather(dtype, shape, pre, post, group, size)
+            return self._again_broadcast(param, param == me, dtype, shape, sig.framing(), group)
+        return self._again_gather(dtype, shape, sig.framing(), group, size)
 
     def _again_reduce(self, op: str, dtype: torch.dtype, shape: torch.Size, group: Any, size: int) -> Again | None:
         if dtype in _exchange.WIDER or dtype == torch.bool:
@@ -140,55 +140,54 @@ class HostWire(Wire):
         logic = _check.logic(wire)
         nbits = (128 if logic else 64) * dtype.itemsize
         found, layout = _scratch.message(((dtype, shape),), dtype, nbits, SMALL)
-        t, u = _check.tables(dtype, logic, 1 if logic else self.count(size))
+        tables = _check.tables(dtype, logic, 1 if logic else self.count(size))
         if layout is None:
-            return self._again_reduce_fresh(op, wire, dtype, shape, nbits, (t, u), group, size)
+            return self._again_reduce_fresh(op, wire, dtype, shape, nbits, tables, group, size)
         into, message, raw, at, end = layout.inputs[0], layout.message, found.raw, layout.tail, layout.tail + nbits
-        how, mean, call = _exchange.reduce_op(wire), op == "mean", _exchange.held
+        how, mean, call, token_bytes = _exchange.reduce_op(wire), op == "mean", _exchange.held, _check.token_bytes
 
         def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
             into.copy_(x.detach() if x.requires_grad else x)
-            a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
-            raw[at:end] = b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h]))
+            raw[at:end], expected = token_bytes(token, tables)
             call(dist.all_reduce, message, how, group)
             out = into.clone()
             if mean:
                 out.div_(size)
-            return out, raw[at:end] == b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])), None
+            return out, raw[at:end] == expected, None
 
         return run
 
     def _again_reduce_fresh(
-        self, op: str, wire: str, dtype: torch.dtype, shape: torch.Size, nbits: int,
-        tables: tuple[tuple[bytes, ...], tuple[bytes, ...]], group: Any, size: int,
+        self, op: str, wire: str, dtype: torch.dtype, shape: torch.Size, nbits: int, tables: _check.Tables,
+        group: Any, size: int,
     ) -> Again:  # fmt: skip
         """A reduction beyond the buffer's share, in a fresh message (as :meth:`Wire.reduce_group`): the data, then
         the token's bits written in the thread's small buffer; the result the message itself."""
         found = _scratch.head()
-        small_raw, bits, (t, u), n = found.small_raw, found.small(dtype, nbits // dtype.itemsize), tables, shape.numel()
-        how, mean, flat, call = _exchange.reduce_op(wire), op == "mean", len(shape) == 1, _exchange.call
+        small_raw, bits, n = found.small_raw, found.small(dtype, nbits // dtype.itemsize), shape.numel()
+        how, mean, flat, call, token_bytes = (_exchange.reduce_op(wire), op == "mean", len(shape) == 1,
+                                              _exchange.call, _check.token_bytes)  # fmt: skip
 
         def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
-            a, b, c, d, e, f, g, h = token.to_bytes(8, "little")
-            small_raw[:nbits] = b"".join((t[a], t[b], t[c], t[d], t[e], t[f], t[g], t[h]))
+            small_raw[:nbits], expected = token_bytes(token, tables)
             message = torch.cat([_exchange.flat(x), bits])
             out, tail = message[:n] if flat else message[:n].view(shape), message[n:]  # (made before the wait)
             call(dist.all_reduce, message, how, group)
             if mean:
                 out.div_(size)
             bits.copy_(tail)
-            return out, small_raw[:nbits] == b"".join((u[a], u[b], u[c], u[d], u[e], u[f], u[g], u[h])), None
+            return out, small_raw[:nbits] == expected, None
 
         return run
 
     def _again_broadcast(
-        self, src: int, source: bool, dtype: torch.dtype, shape: torch.Size, pre: bytes, post: bytes, group: Any
+        self, src: int, source: bool, dtype: torch.dtype, shape: torch.Size, framing: Framing, group: Any
     ) -> Again | None:
         found, layout = _scratch.message(((dtype, shape),), torch.uint8, HEADER, SMALL)
         if layout is None:
-            return self._again_broadcast_fresh(src, source, dtype, shape, pre, post, group)
+            return self._again_broadcast_fresh(src, source, dtype, shape, framing, group)
         into, message, raw, at, end = layout.inputs[0], layout.message, found.raw, layout.tail, layout.tail + HEADER
-        agree, call = post[: AGREE - 16], _exchange.held
+        (pre, post, agree), call = framing, _exchange.held
 
         def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
             number = seq.to_bytes(8, "little")
@@ -206,14 +205,14 @@ class HostWire(Wire):
         return run
 
     def _again_broadcast_fresh(
-        self, src: int, source: bool, dtype: torch.dtype, shape: torch.Size, pre: bytes, post: bytes, group: Any
+        self, src: int, source: bool, dtype: torch.dtype, shape: torch.Size, framing: Framing, group: Any
     ) -> Again | None:
         """A broadcast beyond the buffer's share, in a fresh message of the leaf's dtype (as :meth:`Wire.broadcast`)."""
         if dtype not in _exchange.NATIVE or dtype == torch.bool:
             return None
         found = _scratch.head()
         head_raw, head, n, flat = found.head_raw, found.head(dtype), shape.numel(), len(shape) == 1
-        size, device, agree, call = n + HEADER // dtype.itemsize, self.device, post[: AGREE - 16], _exchange.call
+        size, device, (pre, post, agree), call = n + HEADER // dtype.itemsize, self.device, framing, _exchange.call
 
         def run(x: torch.Tensor, seq: int, token: int) -> tuple[torch.Tensor, bool, bytes | None]:
             number = seq.to_bytes(8, "little")
@@ -235,14 +234,14 @@ class HostWire(Wire):
         return run
 
     def _again_gather(
-        self, dtype: torch.dtype, shape: torch.Size, pre: bytes, post: bytes, group: Any, size: int
+        self, dtype: torch.dtype, shape: torch.Size, framing: Framing, group: Any, size: int
     ) -> Again | None:
         shapes = ((dtype, shape),)
         if not self.holds(size, shapes):
             return None
         found, layout = _scratch.gather(size, shapes, HEADER)
         into, rows, raw, headers = layout.inputs[0], layout.rows[0], found.raw, layout.headers
-        at, end, agree, move = layout.header, layout.header + HEADER, post[: AGREE - 16], self.move
+        at, end, (pre, post, agree), move = layout.header, layout.header + HEADER, framing, self.move
         if into is None or rows is None:
             return None
 

@@ -24,12 +24,16 @@ gather moves as raw code moves it (into the result, no copy), the check beside i
 does a reduction whose dtype cannot count the ranks exactly. Each mover says which (``rides``).
 """
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from ._exchange import full
 from ._signature import Signature
+
+if TYPE_CHECKING:
+    from ._scratch import Buffer
+    from ._wire import Again
 
 __all__ = ["Plan", "Point", "learn"]
 
@@ -66,7 +70,7 @@ class Point:
         self.plan: Plan | None = None
         # The plan's bare call as the wire prepared it: (plan, the thread's buffer it was made in, the prepared
         # call or None); made again when the plan or the buffer changes (see ``_checked.again``).
-        self.quick: tuple[Plan, Any, Any] | None = None
+        self.quick: tuple[Plan, Buffer | None, Again | None] | None = None
 
     def agreed(self, fingerprint: int) -> None:
         """Every rank made the call ``fingerprint`` here (a planned one, or one just learned)."""

@@ -29,6 +29,7 @@ CODES = {op: i + 1 for i, op in enumerate(OPS)}
 FORMAT = struct.Struct("<4sBBBBQQQ7I4x")
 HEADER = FORMAT.size
 AGREE = 24  # the bytes every rank must share: magic .. fingerprint (not the length, nor the dims)
+_NUMBER = 8  # where the header holds the call's number (after magic, op, flags, dtype, ndim)
 MAGIC = b"akc2"
 ERROR = 1  # flag: this rank's input was invalid
 TREE = 255  # dtype / ndim code of a call with several tensors, or none
@@ -53,6 +54,13 @@ class Signature(NamedTuple):
         """The 64-byte header of this call as number ``seq``, with a payload of ``length`` bytes."""
         return FORMAT.pack(MAGIC, CODES[self.op], self.flags, self.dtype, self.ndim, seq, self.fingerprint, length,
                            *self.dims)  # fmt: skip
+
+    def framing(self) -> tuple[bytes, bytes, bytes]:
+        """The header's bytes around the call's number: ``header(seq)`` is ``before + number + after`` (the number
+        as 8 little-endian bytes), and its first :data:`AGREE` bytes are ``before + number + agreed``."""
+        header = self.header(0)
+        before, after = header[:_NUMBER], header[_NUMBER + 8 :]
+        return before, after, after[: AGREE - _NUMBER - 8]
 
 
 def token(sig: Signature, seq: int) -> int:
